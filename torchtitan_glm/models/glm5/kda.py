@@ -1,0 +1,148 @@
+"""KDA (Kimi Delta Attention) block: projections, short convs, low-rank decay and output gates, chunked gated delta rule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan_glm.ops.kda import kda as kda_op
+
+from .args import Glm5ModelArgs
+from .layers import init_linear
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal conv (kernel W) + SiLU, in FP32, restarted at document boundaries.
+
+    Written as W shifted multiply-adds rather than F.conv1d so that packed documents need no extra path: a tap
+    that reaches into the previous document is masked to zero. Compile fuses it into one elementwise kernel.
+    """
+
+    keep_fp32 = True
+    no_weight_decay = True
+
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, pos_in_doc: torch.Tensor | None) -> torch.Tensor:
+        xf = x.float()
+        w = self.weight.float().squeeze(1)  # [C, W]; tap W-1 multiplies x_t, tap W-1-j multiplies x_{t-j}
+        out = xf * w[:, -1]
+        for j in range(1, self.kernel_size):
+            shifted = F.pad(xf[:, :-j], (0, 0, j, 0)) if j < xf.shape[1] else torch.zeros_like(xf)
+            if pos_in_doc is not None:
+                shifted = shifted * (pos_in_doc >= j).unsqueeze(-1).to(shifted.dtype)
+            out = out + shifted * w[:, -1 - j]
+        return F.silu(out).to(x.dtype)
+
+    def init_weights(self, *, std: float) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=std)
+
+
+class KDADecay(nn.Module):
+    """FP32 decay parameters: A_log [H] and dt_bias [H*K] (kept FP32, no weight decay)."""
+
+    keep_fp32 = True
+    no_weight_decay = True
+
+    def __init__(self, num_heads: int, head_dim: int, *, lower_bound: float | None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.lower_bound = lower_bound
+        self.A_log = nn.Parameter(torch.empty(num_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(num_heads * head_dim, dtype=torch.float32))
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        """Per-channel log decay [B, T, H, K] in FP32 from the low-rank gate output f [B, T, H*K]."""
+        g = (f.float() + self.dt_bias.float()).unflatten(-1, (self.num_heads, self.head_dim))
+        rate = torch.exp(self.A_log.float()).view(self.num_heads, 1)
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(rate * g)
+        return -rate * F.softplus(g)
+
+    def init_weights(self) -> None:
+        # FLA/reference convention: A_log = 0 for the bounded ("safe") gate, else log U(1, 16);
+        # dt_bias = inverse softplus of dt ~ logU(1e-3, 1e-1).
+        if self.lower_bound is not None:
+            nn.init.zeros_(self.A_log)
+        else:
+            with torch.no_grad():
+                self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+        with torch.no_grad():
+            dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm in FP32 times sigmoid(gate), one cast at the end."""
+
+    def __init__(self, dim: int, *, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return (y * torch.sigmoid(gate.float())).to(x.dtype)
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA token mixer (34 of GLM-5.3-Flash's 45 layers). Serving runs its projections in BF16."""
+
+    # Projection roles for the precision filters: every KDA Linear stays BF16 in the serving split.
+    linear_roles = {name: "kda" for name in
+                    ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "b_proj", "o_proj")}
+
+    def __init__(self, args: Glm5ModelArgs) -> None:
+        super().__init__()
+        d, h, k = args.hidden_size, args.linear_num_heads, args.linear_head_dim
+        self.num_heads, self.head_dim = h, k
+        self.init_std = args.initializer_range
+        inner = h * k
+        self.q_proj = nn.Linear(d, inner, bias=False)
+        self.k_proj = nn.Linear(d, inner, bias=False)
+        self.v_proj = nn.Linear(d, inner, bias=False)
+        self.q_conv1d = ShortConv(inner, args.linear_conv_kernel_dim)
+        self.k_conv1d = ShortConv(inner, args.linear_conv_kernel_dim)
+        self.v_conv1d = ShortConv(inner, args.linear_conv_kernel_dim)
+        self.f_a_proj = nn.Linear(d, k, bias=False)
+        self.f_b_proj = nn.Linear(k, inner, bias=False)
+        self.decay = KDADecay(h, k, lower_bound=args.linear_lower_bound)
+        self.b_proj = nn.Linear(d, h, bias=False)
+        self.g_a_proj = nn.Linear(d, k, bias=False)
+        self.g_b_proj = nn.Linear(k, inner, bias=False)
+        self.o_norm = GatedRMSNorm(k, eps=args.rms_norm_eps)
+        self.o_proj = nn.Linear(inner, d, bias=False)
+        # FLA's safe-gate kernel path needs gates in [-5, 0): true for a lower bound in [-5, 0).
+        lb = args.linear_lower_bound
+        self.safe_gate = lb is not None and -5.0 <= lb < 0
+
+    def forward(self, x: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
+                pos_in_doc: torch.Tensor | None = None) -> torch.Tensor:
+        heads = (self.num_heads, self.head_dim)
+        q = self.q_conv1d(self.q_proj(x), pos_in_doc).unflatten(-1, heads)
+        k = self.k_conv1d(self.k_proj(x), pos_in_doc).unflatten(-1, heads)
+        v = self.v_conv1d(self.v_proj(x), pos_in_doc).unflatten(-1, heads)
+        g = self.decay(self.f_b_proj(self.f_a_proj(x)))
+        beta = torch.sigmoid(self.b_proj(x))
+        o = kda_op(q, k, v, g, beta, doc_ids, safe_gate=self.safe_gate)
+        gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, heads)
+        return self.o_proj(self.o_norm(o, gate).flatten(-2))
+
+    def init_weights(self) -> None:
+        for name in self.linear_roles:
+            init_linear(getattr(self, name), std=self.init_std)
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            conv.init_weights(std=self.init_std)
+        self.decay.init_weights()
+        self.o_norm.init_weights()

@@ -1,0 +1,62 @@
+"""Small building blocks shared by the GLM-5 blocks: RMSNorm, the clamped SwiGLU MLP, FP32-kept parameter holders."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in FP32, weight applied after casting back (the reference's order of operations)."""
+
+    def __init__(self, dim: int, *, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """SiLU(min(gate, limit)) * clamp(up, -limit, limit): GLM-5's clamped SwiGLU (`swiglu_limit`)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP with the swiglu_limit clamp (dense layers and the shared expert)."""
+
+    def __init__(self, dim: int, hidden_dim: int, *, swiglu_limit: float) -> None:
+        super().__init__()
+        self.swiglu_limit = swiglu_limit
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    # Projection roles, read by the float8 filters (later issue): all three are MLP GEMMs.
+    linear_roles = {"gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+
+    def init_weights(self, *, std: float) -> None:
+        for lin in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(lin.weight, mean=0.0, std=std)
+
+
+def init_linear(linear: nn.Linear, *, std: float) -> None:
+    """Reference init of every Linear: N(0, initializer_range), zero bias."""
+    nn.init.normal_(linear.weight, mean=0.0, std=std)
+    if linear.bias is not None:
+        nn.init.zeros_(linear.bias)
+
+
+def fp32_kept_modules(root: nn.Module) -> list[nn.Module]:
+    """Modules that declare `keep_fp32 = True`: their parameters stay FP32 under mixed precision (own FSDP group)."""
+    return [m for m in root.modules() if getattr(m, "keep_fp32", False)]

@@ -1,0 +1,99 @@
+"""mHC (manifold-constrained hyper-connections): hc_mult residual streams mixed around each attention/MLP site.
+
+All mappings are computed in FP32 (`keep_fp32`): RMS with eps inside the sqrt, sigmoid+eps pre, 2*sigmoid post,
+softmax+eps then Sinkhorn for the doubly-stochastic comb, residual mixed with comb transposed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+def sinkhorn(logits: torch.Tensor, *, iters: int, eps: float) -> torch.Tensor:
+    """Doubly-stochastic projection of [..., n, n] logits: row softmax + eps, column norm, then (iters-1) x (row, col)."""
+    comb = torch.softmax(logits, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+class HyperConnection(nn.Module):
+    """One mHC site: from the streams [B, T, n, D] compute (post, comb, collapsed block input)."""
+
+    keep_fp32 = True
+    no_weight_decay = True
+
+    def __init__(self, *, hidden_size: int, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> None:
+        super().__init__()
+        self.hc_mult = hc_mult
+        self.sinkhorn_iters = sinkhorn_iters
+        self.hc_eps = hc_eps
+        self.norm_eps = norm_eps
+        width = (2 + hc_mult) * hc_mult
+        self.fn = nn.Parameter(torch.empty(width, hc_mult * hidden_size, dtype=torch.float32))
+        self.base = nn.Parameter(torch.empty(width, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = self.hc_mult
+        flat = _rms_scale(streams.flatten(-2).float(), self.norm_eps)
+        mix = torch.nn.functional.linear(flat, self.fn.float())
+        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
+        s_pre, s_post, s_comb = self.scale.float().unbind(0)
+        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * s_post + post_b)
+        comb_logits = comb_w.unflatten(-1, (n, n)) * s_comb + comb_b.view(n, n)
+        comb = sinkhorn(comb_logits, iters=self.sinkhorn_iters, eps=self.hc_eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+        return post, comb, collapsed
+
+    @staticmethod
+    def merge(residual: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """New streams: out_i = post_i * y + sum_j comb[j, i] * x_j (comb applied transposed)."""
+        dtype = residual.dtype
+        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
+            comb.to(dtype).transpose(-1, -2), residual
+        )
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.fn, mean=0.0, std=0.02)
+        nn.init.zeros_(self.base)
+        nn.init.ones_(self.scale)
+
+
+class LearnedHcHead(nn.Module):
+    """DeepSeek-V4-style learned stream contraction (option; GLM-5.3-Flash contracts by the plain mean)."""
+
+    keep_fp32 = True
+    no_weight_decay = True
+
+    def __init__(self, *, hidden_size: int, hc_mult: int, hc_eps: float, norm_eps: float) -> None:
+        super().__init__()
+        self.hc_eps = hc_eps
+        self.norm_eps = norm_eps
+        self.fn = nn.Parameter(torch.empty(hc_mult, hc_mult * hidden_size, dtype=torch.float32))
+        self.base = nn.Parameter(torch.empty(hc_mult, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = _rms_scale(streams.flatten(-2).float(), self.norm_eps)
+        pre = torch.sigmoid(torch.nn.functional.linear(flat, self.fn.float()) * self.scale.float() + self.base) + self.hc_eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.fn, mean=0.0, std=0.02)
+        nn.init.zeros_(self.base)
+        nn.init.ones_(self.scale)
+
+
+def mean_hc_head(streams: torch.Tensor) -> torch.Tensor:
+    """GLM-5.3-Flash's final contraction: the unweighted mean over the streams."""
+    return streams.mean(dim=-2)

@@ -1,0 +1,128 @@
+"""MoE: FP32 sigmoid router with a bias-corrected, group-limited top-k; stacked experts run as grouped GEMMs."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan_glm.ops.grouped_mm import grouped_mm
+
+from .args import Glm5ModelArgs
+from .layers import DenseMLP, swiglu
+
+
+class MoEStats(NamedTuple):
+    """Per-layer routing statistics returned to the trainer."""
+
+    counts: torch.Tensor  # [E] tokens routed to each expert (int64), for bias balancing and imbalance metrics
+    aux_loss: torch.Tensor  # scalar sequence-level balance loss (0 unless requested)
+
+
+class Router(nn.Module):
+    """sigmoid(x W^T) in FP32; choice scores add `e_score_correction_bias` (a buffer the trainer updates)."""
+
+    keep_fp32 = True
+
+    def __init__(self, args: Glm5ModelArgs) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = args.n_routed_experts, args.num_experts_per_tok
+        self.n_group, self.topk_group = args.n_group, args.topk_group
+        self.norm_topk_prob = args.norm_topk_prob
+        self.scaling = args.routed_scaling_factor
+        self.init_std = args.initializer_range
+        self.weight = nn.Parameter(torch.empty(self.num_experts, args.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (scores [N, E] FP32, top-k expert ids [N, k], top-k weights [N, k] FP32)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            grouped = choice.unflatten(-1, (self.n_group, -1))
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(
+                -1, group_scores.topk(self.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+        idx = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(-1, idx)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return scores, idx, weights * self.scaling
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        nn.init.zeros_(self.e_score_correction_bias)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored as stacked [E, out, in] weights (HF splits them per expert on export)."""
+
+    linear_roles = {"gate_proj": "experts", "up_proj": "experts", "down_proj": "experts"}
+
+    def __init__(self, args: Glm5ModelArgs) -> None:
+        super().__init__()
+        e, d, i = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
+        self.swiglu_limit = args.swiglu_limit
+        self.init_std = args.initializer_range
+        self.gate_proj = nn.Parameter(torch.empty(e, i, d))
+        self.up_proj = nn.Parameter(torch.empty(e, i, d))
+        self.down_proj = nn.Parameter(torch.empty(e, d, i))
+
+    def forward(self, x_sorted: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Rows of x_sorted grouped by expert (offs = cumulative counts, int32) -> expert outputs, same order."""
+        gate = grouped_mm(x_sorted, self.gate_proj.transpose(-2, -1), offs)
+        up = grouped_mm(x_sorted, self.up_proj.transpose(-2, -1), offs)
+        return grouped_mm(swiglu(gate, up, self.swiglu_limit), self.down_proj.transpose(-2, -1), offs)
+
+    def init_weights(self) -> None:
+        for w in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(w, mean=0.0, std=self.init_std)
+
+
+class MoE(nn.Module):
+    """Routed experts (top-k, weighted) plus one always-on shared expert."""
+
+    def __init__(self, args: Glm5ModelArgs) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = args.n_routed_experts, args.num_experts_per_tok
+        self.gate = Router(args)
+        self.experts = GroupedExperts(args)
+        self.shared_experts = DenseMLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts,
+                                       swiglu_limit=args.swiglu_limit)
+        self.init_std = args.initializer_range
+
+    def forward(self, x: torch.Tensor, *, seq_aux: bool = False) -> tuple[torch.Tensor, MoEStats]:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        scores, idx, weights = self.gate(flat)
+        experts = idx.flatten()
+        order = torch.argsort(experts, stable=True)
+        token = order // self.top_k
+        counts = torch.bincount(experts, minlength=self.num_experts)
+        offs = counts.cumsum(0).to(torch.int32)
+        routed = self.experts(flat[token], offs)
+        routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
+        out = torch.zeros_like(flat).index_add(0, token, routed.to(flat.dtype))
+        out = out.view(shape) + self.shared_experts(x)
+        aux = sequence_aux_loss(scores, idx, batch=shape[0], top_k=self.top_k) if seq_aux else scores.new_zeros(())
+        return out, MoEStats(counts, aux)
+
+    def init_weights(self) -> None:
+        self.gate.init_weights()
+        self.experts.init_weights()
+        self.shared_experts.init_weights(std=self.init_std)
+
+
+def sequence_aux_loss(scores: torch.Tensor, idx: torch.Tensor, *, batch: int, top_k: int) -> torch.Tensor:
+    """DeepSeek-V3 sequence-wise balance loss sum_e f_e * P_e per row, averaged over rows (coefficient applied by
+    the trainer): f_e = E/(k T) * tokens routed to e, P_e = mean over tokens of normalised affinity s_e / sum s."""
+    num_experts = scores.shape[-1]
+    s = scores.view(batch, -1, num_experts)
+    seqlen = s.shape[1]
+    hits = torch.zeros_like(s).scatter(-1, idx.view(batch, seqlen, top_k), 1.0)
+    f = hits.sum(1) * num_experts / (top_k * seqlen)
+    p = (s / s.sum(-1, keepdim=True)).mean(1)
+    return (f * p).sum(-1).mean()

@@ -1,0 +1,15 @@
+"""Attention under an explicit [B, Tq, Tk] boolean token mask (the DSA selection).
+
+Today this is SDPA with a dense boolean mask, which compiles without graph breaks on CPU and CUDA; the sparse
+DSA kernel for long context (later issue) replaces the body behind the same signature.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """q, k [B, H, T, Dqk], v [B, H, T, Dv], mask [B, T, T] (True = attend) -> [B, H, T, Dv]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=scale)
