@@ -134,7 +134,9 @@ class KPoolIndexer(nn.Module):
         if k == 0:
             return torch.zeros_like(valid)
         masked = scores.masked_fill(~valid, torch.finfo(scores.dtype).min)
-        top = masked.topk(k, dim=-1).indices
+        # Stable descending sort = top-k with ties broken towards the earlier pool. ReLU scoring produces exact
+        # ties (all-zero pools); a fixed rule keeps the selection independent of packing and of the kernel.
+        top = masked.sort(dim=-1, descending=True, stable=True).indices[..., :k]
         return torch.zeros_like(valid).scatter(-1, top, True) & valid
 
     def token_mask(self, selected: torch.Tensor, doc: DocLayout, pools: PoolLayout) -> torch.Tensor:
