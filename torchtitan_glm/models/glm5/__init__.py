@@ -1,7 +1,7 @@
 """GLM-5.3-Flash model: args, the model, and HF checkpoint I/O."""
 
 from .args import Glm5ModelArgs, ModelArgsError, get_flavor
-from .model import Glm5Model, Glm5Output, count_params
+from .model import Glm5LossOutput, Glm5Model, Glm5Output, count_params
 
 
 def __getattr__(name: str):
@@ -13,5 +13,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["Glm5Model", "Glm5ModelArgs", "Glm5Output", "ModelArgsError", "count_params", "from_pretrained",
+__all__ = ["Glm5LossOutput", "Glm5Model", "Glm5ModelArgs", "Glm5Output", "ModelArgsError", "count_params", "from_pretrained",
            "get_flavor", "save_pretrained"]

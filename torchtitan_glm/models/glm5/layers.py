@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan_glm.ops.linear_cross_entropy import linear_cross_entropy
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in FP32, weight applied after casting back (the reference's order of operations)."""
@@ -60,3 +62,23 @@ def init_linear(linear: nn.Linear, *, std: float) -> None:
 def fp32_kept_modules(root: nn.Module) -> list[nn.Module]:
     """Modules that declare `keep_fp32 = True`: their parameters stay FP32 under mixed precision (own FSDP group)."""
     return [m for m in root.modules() if getattr(m, "keep_fp32", False)]
+
+
+class LMHead(nn.Module):
+    """Output projection. Not an nn.Linear subclass on purpose: float8 conversion swaps nn.Linear subclasses and
+    would drop the fused chunked cross-entropy. With labels it returns the loss, never the full logits."""
+
+    def __init__(self, dim: int, vocab_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim))
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
+                token_weights: torch.Tensor | None = None, *, chunk_size: int = 4096):
+        if labels is None:
+            return F.linear(hidden, self.weight)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        weights = torch.ones(flat.shape[0], device=flat.device) if token_weights is None else token_weights.reshape(-1)
+        return linear_cross_entropy(flat, self.weight, labels.reshape(-1), weights, chunk_size=chunk_size)
+
+    def init_weights(self, *, std: float) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=std)

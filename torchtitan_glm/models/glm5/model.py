@@ -10,7 +10,7 @@ from torch import nn
 from .args import Glm5ModelArgs
 from .decoder import DecoderLayer
 from .dsa import DocLayout, IndexerStats
-from .layers import RMSNorm, init_linear
+from .layers import LMHead, RMSNorm
 from .mhc import LearnedHcHead, mean_hc_head
 from .moe import MoEStats
 from .mtp import MTPLayer
@@ -26,6 +26,23 @@ class Glm5Output(NamedTuple):
     indexer_stats: list[IndexerStats]  # one per full-indexer DSA layer when requested, trunk first, then MTP
 
 
+class Glm5LossOutput(NamedTuple):
+    """Training forward: the scaled loss to backpropagate and what the trainer logs and balances with."""
+
+    loss: torch.Tensor  # differentiable scalar: sum of scaled CE and MTP-CE
+    ce: torch.Tensor  # [B, T] per-token CE (FP32, 0 where ignored), no grad
+    mtp_ce: torch.Tensor | None  # [B, T] per-token MTP CE, no grad
+    moe_stats: list[MoEStats]
+    indexer_stats: list[IndexerStats]
+
+
+def mtp_targets(labels: torch.Tensor) -> torch.Tensor:
+    """MTP labels: position t predicts labels[t + 1] when both t and t + 1 are real next-token targets."""
+    nxt = torch.roll(labels, shifts=-1, dims=1)
+    nxt[:, -1] = -100
+    return nxt.masked_fill(labels == -100, -100)
+
+
 class Glm5Model(nn.Module):
     """GLM-5.3-Flash text model. `model(tokens, cu_seqlens=None)` -> logits [B, T, vocab]."""
 
@@ -38,14 +55,47 @@ class Glm5Model(nn.Module):
             self.hc_head = LearnedHcHead(hidden_size=args.hidden_size, hc_mult=args.hc_mult, hc_eps=args.hc_eps,
                                          norm_eps=args.rms_norm_eps)
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = LMHead(args.hidden_size, args.vocab_size)
         self.mtp = MTPLayer(args) if args.num_nextn_predict_layers == 1 else None
         self.init_weights()
 
     # ------------------------------------------------------------------ forward
-    def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.lm_head(self.hidden_states(tokens, cu_seqlens, doc_ids=doc_ids, with_mtp=False).hidden)
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        *,
+        doc_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        token_scale: float | torch.Tensor = 1.0,
+        mtp_scale: float | torch.Tensor = 0.0,
+        collect_indexer_stats: bool = False,
+        seq_aux: bool = False,
+        ce_chunk_size: int = 4096,
+    ) -> torch.Tensor | Glm5LossOutput:
+        """Without labels: logits [B, T, vocab]. With labels [B, T] (-100 = ignore): the training loss
+        sum_t token_scale * CE_t + mtp_scale * MTP-CE_t, computed in chunks from the hidden states, plus stats.
+
+        The MTP at position t predicts labels[t + 1] (token t + 2) and is ignored where labels[t] or
+        labels[t + 1] is (document ends, the row's last position). mtp_scale == 0 skips the MTP layer.
+        """
+        with_mtp = labels is not None and self.mtp is not None and bool(mtp_scale != 0)
+        out = self.hidden_states(tokens, cu_seqlens, doc_ids=doc_ids, with_mtp=with_mtp,
+                                 collect_indexer_stats=collect_indexer_stats, seq_aux=seq_aux)
+        if labels is None:
+            return self.lm_head(out.hidden)
+        hidden, targets = out.hidden.flatten(0, 1), labels.flatten()
+        scales = torch.full_like(targets, 1, dtype=torch.float32) * token_scale
+        if with_mtp:
+            mtp_labels = mtp_targets(labels)
+            hidden = torch.cat([hidden, out.mtp_hidden.flatten(0, 1)])
+            targets = torch.cat([targets, mtp_labels.flatten()])
+            scales = torch.cat([scales, torch.full_like(mtp_labels.flatten(), 1, dtype=torch.float32) * mtp_scale])
+        loss, per_token = self.lm_head(hidden, targets, scales, chunk_size=ce_chunk_size)
+        n = labels.numel()
+        ce = per_token[:n].view_as(labels)
+        mtp = per_token[n:].view_as(labels) if with_mtp else None
+        return Glm5LossOutput(loss, ce, mtp, out.moe_stats, out.indexer_stats)
 
     def hidden_states(
         self,
@@ -104,7 +154,7 @@ class Glm5Model(nn.Module):
         if self.args.hc_head == "learned":
             self.hc_head.init_weights()
         self.norm.init_weights()
-        init_linear(self.lm_head, std=std)
+        self.lm_head.init_weights(std=std)
         if self.mtp is not None:
             self.mtp.init_weights()
 

@@ -1,0 +1,62 @@
+"""Fused LM-head + cross-entropy over token chunks: the [tokens, vocab] logits never exist at once.
+
+Hand-written because no maintained library in our dependency set provides it (Liger/Cut-CE are CUDA-only extra
+dependencies). Each chunk's softmax gradient is formed right after its loss, so the backward only scales the
+stored d(hidden) and d(weight): 3 GEMMs per chunk (logits, dX, dW) instead of 4 with recompute-checkpointing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, token_weights, chunk_size):
+        n = hidden.shape[0]
+        losses = hidden.new_zeros(n, dtype=torch.float32)
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_h = torch.zeros_like(hidden) if need_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            h, y = hidden[s:e], labels[s:e]
+            keep = y != IGNORE_INDEX
+            y_safe = torch.where(keep, y, torch.zeros_like(y))
+            logits = (h @ weight.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            target = logits.gather(-1, y_safe.unsqueeze(-1)).squeeze(-1)
+            losses[s:e] = torch.where(keep, lse - target, torch.zeros_like(lse))
+            if need_grad:
+                # d(sum_i w_i * loss_i)/d(logits) = w_i * (softmax_i - onehot_i), zero on ignored rows.
+                g = torch.exp(logits - lse.unsqueeze(-1))
+                g.scatter_add_(-1, y_safe.unsqueeze(-1), -torch.ones_like(lse).unsqueeze(-1))
+                g = g * (token_weights[s:e].float() * keep).unsqueeze(-1)
+                grad_h[s:e] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_w += g.t() @ h.float()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        weighted = (losses * token_weights.float()).sum()
+        ctx.mark_non_differentiable(losses)
+        return weighted, losses
+
+    @staticmethod
+    def backward(ctx, grad_weighted, grad_losses):
+        grad_h, grad_w = ctx.saved_tensors
+        dh = None if grad_h is None else grad_h * grad_weighted.to(grad_h.dtype)
+        dw = None if grad_w is None else (grad_w * grad_weighted).to(ctx.weight_dtype)
+        return dh, dw, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, token_weights: torch.Tensor, *,
+    chunk_size: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [N, D], weight [V, D], labels [N] (-100 = ignore), token_weights [N].
+
+    Returns (sum_i token_weights_i * CE_i, a differentiable scalar; per-token CE [N] FP32, 0 where ignored,
+    not differentiable). CE is computed from FP32 logits with FP32 accumulation of dW.
+    """
+    return _LinearCrossEntropy.apply(hidden, weight, labels, token_weights, chunk_size)
