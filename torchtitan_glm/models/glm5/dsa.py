@@ -217,7 +217,7 @@ class SparseMLA(nn.Module):
             mask = causal_doc_mask(doc) if self.dense else self.indexer.token_mask(selected, doc, pools)
             if collect_stats:
                 target = pooled_attention_target(q.detach(), k.detach(), doc, pools, valid, scale=self.scale)
-                stats = IndexerStats(scores, target, valid, selected)
+                stats = IndexerStats(scores.clone(), target, valid, selected)  # clone: FSDP2 warns on view outputs
         out = masked_attention(q, k, v, mask, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).flatten(-2)), mask, stats
 

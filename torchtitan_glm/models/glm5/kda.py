@@ -22,7 +22,6 @@ class ShortConv(nn.Module):
     """
 
     keep_fp32 = True
-    no_weight_decay = True
 
     def __init__(self, channels: int, kernel_size: int) -> None:
         super().__init__()

@@ -28,7 +28,6 @@ class HyperConnection(nn.Module):
     """One mHC site: from the streams [B, T, n, D] compute (post, comb, collapsed block input)."""
 
     keep_fp32 = True
-    no_weight_decay = True
 
     def __init__(self, *, hidden_size: int, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> None:
         super().__init__()
@@ -73,7 +72,6 @@ class LearnedHcHead(nn.Module):
     """DeepSeek-V4-style learned stream contraction (option; GLM-5.3-Flash contracts by the plain mean)."""
 
     keep_fp32 = True
-    no_weight_decay = True
 
     def __init__(self, *, hidden_size: int, hc_mult: int, hc_eps: float, norm_eps: float) -> None:
         super().__init__()

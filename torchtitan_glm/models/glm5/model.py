@@ -93,8 +93,8 @@ class Glm5Model(nn.Module):
             scales = torch.cat([scales, torch.full_like(mtp_labels.flatten(), 1, dtype=torch.float32) * mtp_scale])
         loss, per_token = self.lm_head(hidden, targets, scales, chunk_size=ce_chunk_size)
         n = labels.numel()
-        ce = per_token[:n].view_as(labels)
-        mtp = per_token[n:].view_as(labels) if with_mtp else None
+        ce = per_token[:n].view_as(labels).clone()  # clones: no view outputs across the FSDP2 root
+        mtp = per_token[n:].view_as(labels).clone() if with_mtp else None
         return Glm5LossOutput(loss, ce, mtp, out.moe_stats, out.indexer_stats)
 
     def hidden_states(

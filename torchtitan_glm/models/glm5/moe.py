@@ -101,7 +101,8 @@ class MoE(nn.Module):
         experts = idx.flatten()
         order = torch.argsort(experts, stable=True)
         token = order // self.top_k
-        counts = torch.bincount(experts, minlength=self.num_experts)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, experts, torch.ones_like(experts))  # static shape (bincount is data-dependent under compile)
         offs = counts.cumsum(0).to(torch.int32)
         routed = self.experts(flat[token], offs)
         routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
