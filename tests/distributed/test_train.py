@@ -1,0 +1,121 @@
+"""The training job end to end through torchrun (2 CPU processes, gloo): loss goes down, TensorBoard scalars are
+written, a resumed run reproduces the uninterrupted one exactly, and config errors exit 2 naming the key."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STEP_LINE = re.compile(r"^step (\d+)/\d+ \| loss ([0-9.]+)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(args: list[str], *, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}",
+           str(ROOT / "train.py"), *args]
+    env = dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _losses(stdout: str) -> dict[int, float]:
+    return {int(m.group(1)): float(m.group(2)) for m in map(STEP_LINE.match, stdout.splitlines()) if m}
+
+
+def _tb_losses(folder: Path) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars("loss")}
+
+
+def _run_ok(args: list[str], **kw) -> subprocess.CompletedProcess:
+    res = _torchrun(args, **kw)
+    assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
+    return res
+
+
+def test_debug_run_learns_and_writes_tensorboard(tmp_path):
+    res = _run_ok(["--config", "train_configs/debug_model.toml", f"--job.dump_folder={tmp_path}",
+                   "--metrics.log_freq", "1", "--checkpoint.enable", "false"])
+    losses = _losses(res.stdout)
+    assert sorted(losses) == list(range(1, 51))
+    first, last = sum(losses[i] for i in range(1, 6)) / 5, sum(losses[i] for i in range(46, 51)) / 5
+    assert last < first - 1.0, f"loss did not decrease enough: {first:.3f} -> {last:.3f}"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    assert events, "no TensorBoard event file"
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    expected = {"loss", "mtp_loss", "indexer_kl_loss", "lr", "grad_norm", "tokens_per_sec", "tflops",
+                "peak_memory_gib", "expert_load_imbalance"}
+    assert expected <= tags, f"missing scalars {expected - tags}"
+    assert len(acc.Scalars("loss")) == 50
+
+
+SHORT = ["--config", "train_configs/debug_model.toml", "--training.seq_len", "64", "--training.local_batch_size", "2",
+         "--training.steps", "20", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
+         "--checkpoint.enable", "true", "--checkpoint.interval", "10", "--metrics.enable_tensorboard", "true"]
+
+
+def test_resume_is_exact(tmp_path):
+    full = _losses(_run_ok(SHORT + [f"--job.dump_folder={tmp_path / 'full'}"]).stdout)
+    assert sorted(full) == list(range(1, 21))
+
+    # The same 20-step job, stopped (SIGKILL) once its step-10 checkpoint is complete, then relaunched.
+    part_dir = tmp_path / "part"
+    ckpt_dir = part_dir / "checkpoint"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+           str(ROOT / "train.py"), *SHORT, f"--job.dump_folder={part_dir}"]
+    env = dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 240
+    while not (ckpt_dir / "step-10").is_dir():
+        assert proc.poll() is None, "the interrupted run exited before writing its step-10 checkpoint"
+        assert time.time() < deadline, "no step-10 checkpoint within the time limit"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for later in ckpt_dir.glob("step-*"):
+        if later.name != "step-10":
+            shutil.rmtree(later)  # a save that raced the kill: the job is "stopped at step 10"
+
+    resumed = _losses(_run_ok(SHORT + [f"--job.dump_folder={part_dir}", "--metrics.save_tb_folder=tb_resumed"]).stdout)
+    assert sorted(resumed) == list(range(11, 21)), "resume did not continue from step 10"
+    # Bit-exact: compare the FP32 loss scalars TensorBoard recorded, not the rounded console text.
+    exact_full, exact_resumed = _tb_losses(tmp_path / "full" / "tb"), _tb_losses(part_dir / "tb_resumed")
+    for step in range(11, 21):
+        assert exact_resumed[step] == exact_full[step], (
+            f"step {step}: resumed {exact_resumed[step]!r} != uninterrupted {exact_full[step]!r}")
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [(["--training.stepz", "5"], "training.stepz"), (["--training.steps", "many"], "training.steps"),
+     (["--lr_scheduler.decay_type", "exp"], "lr_scheduler.decay_type"), (["--nosuch.key", "1"], "nosuch")],
+)
+def test_config_errors_exit_2_naming_the_key(override, key):
+    res = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", "train_configs/debug_model.toml",
+                          *override], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1"))
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert key in res.stderr

@@ -1,0 +1,258 @@
+"""data.py: packing with document boundaries, label masking, sharding, determinism, exact resume, sources, errors."""
+
+import copy
+import json
+import pickle
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from torchtitan_glm.components.data import build_dataloader, builtin_corpus_files
+from torchtitan_glm.components.tokenizer import ByteTokenizer
+from torchtitan_glm.config import DataConfig
+
+TOK = ByteTokenizer()
+EOS = TOK.eos_id
+
+
+def make_loader(cfg, *, seq_len=32, batch=4, rank=0, world=1, seed=0, tok=TOK):
+    return build_dataloader(cfg=cfg, tokenizer=tok, seq_len=seq_len, local_batch_size=batch, dp_rank=rank,
+                            dp_world_size=world, seed=seed)
+
+
+def take(loader, n):
+    return [next(loader) for _ in range(n)]
+
+
+def write_jsonl(path, texts, key="text"):
+    path.write_text("".join(json.dumps({key: t}) + "\n" for t in texts))
+    return str(path)
+
+
+def numbered_docs(n=40):
+    # Distinct, short documents of varied length, each tagged with its number so rows can be traced to documents.
+    return [f"<{i:03d}>" + "x" * (i % 7) + f"</{i:03d}>" for i in range(n)]
+
+
+def check_structure(batch, *, eos_marks_boundaries=True):
+    """doc_ids, cu_seqlens and labels agree with each other (and with eos positions when eos separates docs)."""
+    x, y, doc, cu = batch["input_ids"], batch["labels"], batch["doc_ids"], batch["cu_seqlens"]
+    b, t = x.shape
+    assert x.dtype == y.dtype == doc.dtype == torch.int64 and cu.dtype == torch.int32
+    assert y.shape == doc.shape == (b, t)
+    assert (doc[:, 0] == 0).all()
+    step = doc[:, 1:] - doc[:, :-1]
+    assert ((step == 0) | (step == 1)).all()  # increasing by one at each new document
+    new_doc = torch.zeros(b, t, dtype=torch.bool)
+    new_doc[:, 0] = True
+    new_doc[:, 1:] = step == 1
+    expected_cu = torch.cat([new_doc.reshape(-1).nonzero().flatten(), torch.tensor([b * t])])
+    assert torch.equal(cu.long(), expected_cu)
+    assert cu[0] == 0 and cu[-1] == b * t and (cu[1:] > cu[:-1]).all()
+    # labels: the next input token, except -100 where the next token starts a new document
+    inner_masked = y[:, :-1] == -100
+    assert torch.equal(inner_masked, new_doc[:, 1:])
+    keep = ~inner_masked
+    assert torch.equal(y[:, :-1][keep], x[:, 1:][keep])
+    if eos_marks_boundaries:
+        assert torch.equal(new_doc[:, 1:], x[:, :-1] == EOS)
+        assert torch.equal(y == -100, x == EOS)  # eos tokens never predict the next document
+    return new_doc
+
+
+# ------------------------------------------------------------------------------------------------ builtin
+def test_builtin_corpus_is_stdlib_and_sorted():
+    files = builtin_corpus_files()
+    assert len(files) > 100 and files == sorted(files)
+    assert all(f.endswith(".py") and "site-packages" not in f for f in files)
+    assert any(f.endswith("/json/__init__.py") for f in files)
+
+
+def test_builtin_batches_shape_structure_determinism():
+    a = take(make_loader(DataConfig(), seq_len=64, batch=4, seed=1), 6)
+    b = take(make_loader(DataConfig(), seq_len=64, batch=4, seed=1), 6)
+    c = take(make_loader(DataConfig(), seq_len=64, batch=4, seed=2), 6)
+    for x, y in zip(a, b):
+        assert x.keys() == {"input_ids", "labels", "doc_ids", "cu_seqlens"}
+        assert x["input_ids"].shape == (4, 64)
+        check_structure(x)
+        for k in x:
+            assert torch.equal(x[k], y[k])
+    assert not all(torch.equal(x["input_ids"], z["input_ids"]) for x, z in zip(a, c))  # the seed shuffles docs
+    text = TOK.decode(a[0]["input_ids"][0].tolist())
+    assert text.isprintable() or "\n" in text
+
+
+def test_builtin_ranks_get_distinct_rows():
+    rows = []
+    for rank in range(2):
+        batches = take(make_loader(DataConfig(), seq_len=48, batch=4, rank=rank, world=2, seed=3), 5)
+        rows.append({tuple(r.tolist()) for bt in batches for r in bt["input_ids"]})
+    assert len(rows[0]) == 20 and len(rows[1]) == 20
+    assert not rows[0] & rows[1]
+
+
+def roundtrip_resume(cfg, **kw):
+    full = take(make_loader(cfg, **kw), 10)
+    first = make_loader(cfg, **kw)
+    take(first, 4)
+    state = pickle.loads(pickle.dumps(copy.deepcopy(first.state_dict())))
+    resumed = make_loader(cfg, **kw)
+    resumed.load_state_dict(state)
+    rest = take(resumed, 6)
+    for x, y in zip(full[4:], rest):
+        for k in x:
+            assert torch.equal(x[k], y[k]), k
+
+
+def test_resume_is_exact_builtin():
+    roundtrip_resume(DataConfig(), seq_len=40, batch=3, rank=1, world=2, seed=5)
+
+
+def test_resume_is_exact_jsonl_across_epochs(tmp_path):
+    # 40 short docs, 2 ranks: the 10 batches cross several epochs, the state lands mid-document
+    cfg = DataConfig(source="jsonl", paths=[write_jsonl(tmp_path / "d.jsonl", numbered_docs())])
+    roundtrip_resume(cfg, seq_len=23, batch=3, rank=0, world=2, seed=9)
+
+
+def test_state_mismatch_is_rejected(tmp_path):
+    cfg = DataConfig(source="jsonl", paths=[write_jsonl(tmp_path / "d.jsonl", numbered_docs())])
+    loader = make_loader(cfg, seq_len=16)
+    take(loader, 2)
+    state = loader.state_dict()
+    assert list(state) == ["dp_rank_0"]
+    with pytest.raises(ValueError, match="row_len"):
+        make_loader(cfg, seq_len=17).load_state_dict(state)
+    with pytest.raises(ValueError, match="dp_rank_1"):
+        make_loader(cfg, seq_len=16, rank=1, world=2).load_state_dict(state)
+
+
+# -------------------------------------------------------------------------------------------------- jsonl
+def test_jsonl_packing_boundaries_and_labels(tmp_path):
+    docs = numbered_docs()
+    cfg = DataConfig(source="jsonl", paths=[write_jsonl(tmp_path / "d.jsonl", docs)])
+    batches = take(make_loader(cfg, seq_len=24, batch=4), 8)
+    n_boundaries = 0
+    for bt in batches:
+        new_doc = check_structure(bt)
+        n_boundaries += int(new_doc[:, 1:].sum())
+    assert n_boundaries > 10  # short docs: many boundaries inside rows
+    # the packed stream is exactly the documents, each followed by eos, in a fresh permutation each epoch
+    # (a row's last token is only a label; when it starts a document that label is -100, hence the optional "<")
+    stream = torch.cat([torch.cat([bt["input_ids"], bt["labels"][:, -1:]], 1).reshape(-1) for bt in batches])
+    text = TOK.decode(stream.tolist())
+    seen = re.findall(r"<?(\d{3})>x*</\1>", text)
+    assert len(seen) > 45 and sorted(seen[:40]) == [f"{i:03d}" for i in range(40)]
+    assert seen[40:45] != seen[:5]
+
+
+def test_jsonl_without_eos_still_masks_document_ends(tmp_path):
+    docs = ["a" * 5, "b" * 7, "c" * 3, "d" * 9]
+    cfg = DataConfig(source="jsonl", paths=[write_jsonl(tmp_path / "d.jsonl", docs)], add_eos=False)
+    bt = next(make_loader(cfg, seq_len=12, batch=1, seed=0))
+    new_doc = check_structure(bt, eos_marks_boundaries=False)
+    x = bt["input_ids"][0]
+    assert EOS not in x.tolist()
+    # a new document starts exactly where the letter changes
+    assert torch.equal(new_doc[0, 1:], x[1:] != x[:-1])
+
+
+def test_jsonl_ranks_partition_documents(tmp_path):
+    # 30 docs of 12 tokens (11 bytes + eos); 3 ranks x 10 docs = 120 tokens = 5 rows of 24: one batch is one epoch
+    docs = [f"<{i:03d}></{i:03d}>" for i in range(30)]
+    cfg = DataConfig(source="jsonl", paths=[write_jsonl(tmp_path / "d.jsonl", docs)])
+    seen = []
+    for rank in range(3):
+        loader = make_loader(cfg, seq_len=23, batch=5, rank=rank, world=3, seed=4)
+        bt = next(loader)
+        assert loader.state_dict()[f"dp_rank_{rank}"]["epoch"] == 1
+        text = TOK.decode(torch.cat([bt["input_ids"], bt["labels"][:, -1:]], 1).reshape(-1).tolist())
+        seen.append(re.findall(r"<(\d{3})>", text))
+    assert all(len(s) == len(set(s)) == 10 for s in seen)
+    assert sorted(seen[0] + seen[1] + seen[2]) == [f"{i:03d}" for i in range(30)]  # disjoint and complete
+
+
+def test_jsonl_errors_name_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok"}\n\n{"text": broken}\n')
+    loader = make_loader(DataConfig(source="jsonl", paths=[str(path)]), seq_len=8, batch=1)
+    with pytest.raises(ValueError, match=r"bad\.jsonl:3: invalid JSON"):
+        take(loader, 4)
+    path2 = tmp_path / "nokey.jsonl"
+    path2.write_text('{"body": "x"}\n')
+    with pytest.raises(ValueError, match=r"nokey\.jsonl:1: .*'text'"):
+        next(make_loader(DataConfig(source="jsonl", paths=[str(path2)]), seq_len=8, batch=1))
+    assert next(make_loader(DataConfig(source="jsonl", paths=[str(path2)], text_key="body"), seq_len=8, batch=1))
+
+
+def test_corpus_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        make_loader(DataConfig(source="jsonl", paths=[str(tmp_path / "missing.jsonl")]))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match="empty.jsonl is empty"):
+        make_loader(DataConfig(source="jsonl", paths=[str(empty)]))
+    blank = write_jsonl(tmp_path / "blank.jsonl", ["", ""])
+    with pytest.raises(ValueError, match="blank.jsonl yields no tokens"):
+        next(make_loader(DataConfig(source="jsonl", paths=[blank], add_eos=False)))
+    one = write_jsonl(tmp_path / "one.jsonl", ["only"])
+    with pytest.raises(ValueError, match="one.jsonl has 1 documents"):
+        make_loader(DataConfig(source="jsonl", paths=[one]), rank=0, world=2)
+
+
+def test_txt_files_are_documents(tmp_path):
+    (tmp_path / "a.txt").write_text("alpha " * 3)
+    (tmp_path / "b.txt").write_text("beta " * 3)
+    (tmp_path / "ignored.md").write_text("not text corpus")
+    bt = next(make_loader(DataConfig(source="txt", paths=[str(tmp_path)]), seq_len=60, batch=1))
+    check_structure(bt)
+    text = TOK.decode(bt["input_ids"][0].tolist())
+    assert "alpha" in text and "beta" in text and "not text" not in text
+
+
+# ---------------------------------------------------------------------------------------------------- bin
+def write_bin(path, n_tokens, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, 256, size=n_tokens)
+    toks[rng.random(n_tokens) < 0.08] = EOS  # documents of ~12 tokens
+    toks.astype(dtype).tofile(path)
+    return toks
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_bin_rows_are_file_slices(tmp_path, dtype):
+    s = 16
+    toks = write_bin(tmp_path / "t.bin", 40 * (s + 1) + 5, dtype)
+    cfg = DataConfig(source="bin", paths=[str(tmp_path / "t.bin")], bin_dtype=dtype)
+    for rank in range(2):
+        batches = take(make_loader(cfg, seq_len=s, batch=2, rank=rank, world=2), 3)
+        for i, bt in enumerate(batches):
+            check_structure(bt)
+            for j in range(2):
+                g = (i * 2 + j) * 2 + rank  # rows are dealt round-robin to ranks
+                row = toks[g * (s + 1):(g + 1) * (s + 1)]
+                assert bt["input_ids"][j].tolist() == row[:-1].tolist()
+                expect = np.where(row[:-1] == EOS, -100, row[1:])
+                assert bt["labels"][j].tolist() == expect.tolist()
+
+
+def test_bin_resume_and_epoch_wrap(tmp_path):
+    s = 8
+    write_bin(tmp_path / "a.bin", 7 * (s + 1) + 3, "uint16", seed=1)
+    write_bin(tmp_path / "b.bin", 5 * (s + 1), "uint16", seed=2)
+    cfg = DataConfig(source="bin", paths=[str(tmp_path / "a.bin"), str(tmp_path / "b.bin")])
+    roundtrip_resume(cfg, seq_len=s, batch=2, rank=1, world=2)  # 12 rows, 6 per rank: 10 batches = 3+ epochs
+    loader = make_loader(cfg, seq_len=s, batch=6, rank=0, world=2)
+    first, second = next(loader), next(loader)
+    assert torch.equal(first["input_ids"], second["input_ids"])  # one batch = one epoch: it repeats
+
+
+def test_bin_errors_name_file(tmp_path):
+    (tmp_path / "odd.bin").write_bytes(b"\x00" * 5)
+    with pytest.raises(ValueError, match="odd.bin"):
+        make_loader(DataConfig(source="bin", paths=[str(tmp_path / "odd.bin")], bin_dtype="uint16"))
+    write_bin(tmp_path / "small.bin", 10, "uint16")
+    with pytest.raises(ValueError, match="small.bin"):
+        make_loader(DataConfig(source="bin", paths=[str(tmp_path / "small.bin")]), seq_len=16)

@@ -1,0 +1,72 @@
+"""tokenizer.py: byte tokenizer and the tokenizer.json wrapper."""
+
+import json
+
+import pytest
+
+from torchtitan_glm.components.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+from torchtitan_glm.config import DataConfig
+from torchtitan_glm.models.glm5.args import get_flavor
+
+TEXT = "def f(x):\n    return x + 1  # ünïcödé ✓ 🚀\n"
+
+
+def test_byte_tokenizer_round_trip_and_specials():
+    tok = build_tokenizer(cfg=DataConfig())
+    assert isinstance(tok, ByteTokenizer)
+    ids = tok.encode(TEXT)
+    assert ids == list(TEXT.encode("utf-8")) and max(ids) < 256
+    assert tok.decode(ids) == TEXT
+    specials = {tok.bos_id, tok.eos_id, tok.pad_id}
+    assert specials == {256, 257, 258} and tok.vocab_size == 259
+    assert tok.decode([tok.bos_id, *ids, tok.eos_id, tok.pad_id]) == TEXT  # specials are dropped
+    assert tok.vocab_size <= get_flavor("debug").vocab_size
+    assert tok.decode(ids[:-3] + [0xF0]).endswith("\ufffd")  # a cut multi-byte char does not raise
+
+
+def _train_tiny_tokenizer(path, specials=("<|endoftext|>", "<pad>")):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(specials),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT * 3, "hello world, hello tokenizer"], trainer=trainer)
+    tok.save(str(path))
+    return tok
+
+
+def test_hf_tokenizer_round_trip(tmp_path):
+    raw = _train_tiny_tokenizer(tmp_path / "tokenizer.json")
+    for where in (tmp_path / "tokenizer.json", tmp_path):  # a file or the directory holding it
+        tok = build_tokenizer(cfg=DataConfig(tokenizer=str(where)))
+        assert isinstance(tok, HFTokenizer)
+        ids = tok.encode(TEXT)
+        assert ids and raw.token_to_id("<|endoftext|>") not in ids  # no specials added on encode
+        assert tok.decode(ids) == TEXT
+        assert tok.eos_id == raw.token_to_id("<|endoftext|>")
+        assert tok.pad_id == raw.token_to_id("<pad>")
+        assert tok.bos_id is None
+        assert tok.vocab_size == raw.get_vocab_size(with_added_tokens=True)
+        assert tok.decode(ids + [tok.eos_id]) == TEXT
+
+
+def test_hf_tokenizer_config_declares_specials(tmp_path):
+    raw = _train_tiny_tokenizer(tmp_path / "tokenizer.json", specials=("<|endoftext|>", "<|user|>"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|user|>"},
+                                                                "bos_token": "<|endoftext|>"}))
+    tok = HFTokenizer(str(tmp_path))
+    assert tok.eos_id == raw.token_to_id("<|user|>")
+    assert tok.bos_id == raw.token_to_id("<|endoftext|>")
+
+
+def test_hf_tokenizer_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        HFTokenizer(str(tmp_path / "nope.json"))
+    _train_tiny_tokenizer(tmp_path / "tokenizer.json", specials=("<unk>",))
+    with pytest.raises(ValueError, match="no eos token"):
+        HFTokenizer(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json"):
+        HFTokenizer(str(tmp_path / "bad.json"))

@@ -1,0 +1,107 @@
+"""AdamW with weight-decay exclusions declared by the model, and DTensor-aware global-norm gradient clipping.
+
+No decay for: every parameter with ndim < 2 (norm weights, biases, A_log, dt_bias, mHC base/scale), every parameter
+of a module whose class sets `no_weight_decay = True`, and every parameter named in its module's
+`no_weight_decay_params` set (e.g. KPool APE, mHC fn). Blocks declare this themselves; nothing matches on names.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from torchtitan_glm.config import OptimizerConfig
+
+__all__ = ["split_decay_params", "param_groups", "build_optimizer", "clip_grad_norm_"]
+
+
+def split_decay_params(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    """(decayed, not decayed) trainable (fqn, parameter) pairs; a parameter shared by several modules is listed
+    once, and is not decayed if any owner excludes it."""
+    owners_exclude: dict[int, bool] = {}
+    names: dict[int, tuple[str, nn.Parameter]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        whole = bool(getattr(type(module), "no_weight_decay", False))
+        listed = set(getattr(module, "no_weight_decay_params", ()) or ())
+        unknown = listed - set(n for n, _ in module.named_parameters(recurse=False))
+        if unknown:
+            raise ValueError(f"{type(module).__name__} at {mod_name or '<root>'} lists no_weight_decay_params "
+                             f"{sorted(unknown)} that are not its own parameters")
+        for p_name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            exclude = whole or p_name in listed or p.ndim < 2
+            names.setdefault(id(p), (f"{mod_name}.{p_name}" if mod_name else p_name, p))
+            owners_exclude[id(p)] = owners_exclude.get(id(p), False) or exclude
+    decay = [names[k] for k, ex in owners_exclude.items() if not ex]
+    no_decay = [names[k] for k, ex in owners_exclude.items() if ex]
+    return decay, no_decay
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Optimizer param groups: decayed parameters with `weight_decay`, the rest with 0 (empty groups dropped)."""
+    from torch.distributed.tensor import DTensor
+
+    decay, no_decay = split_decay_params(model)
+    groups = []
+    # FSDP2-sharded (DTensor) and replicated plain parameters go to separate groups: foreach/fused kernels
+    # cannot mix the two kinds in one call.
+    for params, wd in ((decay, weight_decay), (no_decay, 0.0)):
+        for sharded in (True, False):
+            chosen = [p for _, p in params if isinstance(p, DTensor) == sharded]
+            if chosen:
+                groups.append({"params": chosen, "weight_decay": wd})
+    return groups
+
+
+def build_optimizer(*, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
+    """AdamW over `param_groups`; implementation "auto" picks fused when the parameters live on CUDA, else foreach."""
+    groups = param_groups(model, cfg.weight_decay)
+    if not groups:
+        raise ValueError("model has no trainable parameters")
+    impl = cfg.implementation
+    if impl == "auto":
+        impl = "fused" if groups[0]["params"][0].device.type == "cuda" else "foreach"
+    flags = {"fused": dict(fused=True, foreach=False), "foreach": dict(fused=False, foreach=True),
+             "for-loop": dict(fused=False, foreach=False)}
+    if impl not in flags:
+        raise ValueError(f"unknown optimizer.implementation {cfg.implementation!r}")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, **flags[impl])
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, *, norm_type: float = 2.0,
+                    foreach: bool | None = None, error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale gradients in place so their global `norm_type` norm is at most `max_norm`; return that norm (before
+    clipping) as a plain, replicated tensor.
+
+    Gradients may be DTensors (FSDP2, possibly on different meshes or placements, e.g. experts vs dense): the
+    norm of each group sharing a (mesh, placements) is reduced with full_tensor(), then the group norms combine.
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return torch.tensor(0.0)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        g = p.grad
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else (None, g.device)
+        groups.setdefault(key, []).append(p)
+    norms = []
+    for group in groups.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type, error_if_nonfinite=False,
+                                          foreach=foreach)
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    device = norms[0].device
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(
+        torch.stack([n.to(device) for n in norms]), norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total gradient norm ({norm_type}) is non-finite: {total.item()}")
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device), foreach=foreach)
+    return total

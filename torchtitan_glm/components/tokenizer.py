@@ -1,0 +1,113 @@
+"""Tokenizers: a built-in byte-level one (no files needed) and a wrapper over an HF `tokenizer.json`.
+
+Both expose encode(text) -> list[int] (no special tokens added; the data pipeline adds eos), decode(ids) -> str,
+vocab_size, bos_id, eos_id and pad_id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Protocol, Sequence
+
+from torchtitan_glm.config import DataConfig
+
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "build_tokenizer"]
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int
+    pad_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, then bos=256, eos=257, pad=258 (vocab 259; fits the debug model's 512)."""
+
+    vocab_size = 259
+    bos_id = 256
+    eos_id = 257
+    pad_id = 258
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Specials are dropped; invalid UTF-8 (e.g. a row cut mid-character) becomes U+FFFD."""
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+_EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[EOS]")
+_BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "[BOS]")
+_PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]")
+
+
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` loaded from tokenizer.json.
+
+    Special ids come from a sibling tokenizer_config.json (bos_token/eos_token/pad_token) when present, otherwise
+    from common special-token names. An eos token is required: it separates packed documents.
+    """
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer as _HFTok
+
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"tokenizer file not found: {file}")
+        try:
+            self._tok = _HFTok.from_file(file)
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise ValueError(f"cannot load tokenizer {file}: {e}") from e
+        self.path = file
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        declared = _read_declared_specials(os.path.join(os.path.dirname(file), "tokenizer_config.json"))
+        self.bos_id = self._special_id(declared.get("bos_token"), _BOS_NAMES)
+        eos = self._special_id(declared.get("eos_token"), _EOS_NAMES)
+        if eos is None:
+            raise ValueError(f"tokenizer {file} has no eos token (looked for {list(_EOS_NAMES)} and "
+                             "tokenizer_config.json eos_token); packing needs one to separate documents")
+        self.eos_id: int = eos
+        self.pad_id = self._special_id(declared.get("pad_token"), _PAD_NAMES)
+
+    def _special_id(self, declared: str | None, names: Sequence[str]) -> int | None:
+        for name in ([declared] if declared else []) + list(names):
+            idx = self._tok.token_to_id(name)
+            if idx is not None:
+                return idx
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _read_declared_specials(path: str) -> dict[str, str]:
+    """bos/eos/pad token strings from an HF tokenizer_config.json (values may be strings or {"content": ...})."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    out = {}
+    for key in ("bos_token", "eos_token", "pad_token"):
+        value = cfg.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            out[key] = value
+    return out
+
+
+def build_tokenizer(*, cfg: DataConfig) -> ByteTokenizer | HFTokenizer:
+    """`data.tokenizer`: "byte" for the built-in tokenizer, else a tokenizer.json path (or its directory)."""
+    return ByteTokenizer() if cfg.tokenizer == "byte" else HFTokenizer(cfg.tokenizer)

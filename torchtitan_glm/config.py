@@ -1,0 +1,628 @@
+"""JobConfig: one frozen dataclass per TOML section, TOML loading, dotted CLI overrides and validation.
+
+Precedence is command line > TOML file > dataclass defaults. Every problem (unknown section or key, wrong type,
+bad value, unsupported combination) raises `ConfigError`, whose message names the dotted key and the config file;
+`main_guard` turns it into exit code 2 before any process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import json
+import math
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, TypeVar
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on 3.10
+    import tomli as tomllib
+
+__all__ = [
+    "ConfigError", "JobConfig", "JobSectionConfig", "ModelConfig", "TrainingConfig", "DataConfig", "OptimizerConfig",
+    "LRSchedulerConfig", "LossConfig", "ParallelismConfig", "CheckpointConfig", "ActivationCheckpointConfig",
+    "CompileConfig", "MetricsConfig", "load_config", "main_guard",
+]
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration. `key` is the dotted key (or section, or CLI argument); `source` says where the
+    offending value came from (config file, command line or default), always naming the config file if there is one."""
+
+    def __init__(self, key: str, message: str, source: str | None = None) -> None:
+        self.key, self.message, self.source = key, message, source
+        where = f" ({source})" if source else ""
+        super().__init__(f"config error at `{key}`{where}: {message}")
+
+    def with_source(self, source: str) -> "ConfigError":
+        return ConfigError(self.key, self.message, source)
+
+
+class _Section:
+    """Mixin for section dataclasses: the section name and helpers that raise ConfigError naming `section.key`."""
+
+    SECTION: ClassVar[str] = ""
+
+    def validate(self) -> None:
+        """Check this section's values on their own (cross-section rules live in JobConfig.validate)."""
+
+    def _fail(self, key: str, message: str) -> None:
+        raise ConfigError(f"{self.SECTION}.{key}", message)
+
+    def _require(self, ok: bool, key: str, message: str) -> None:
+        if not ok:
+            self._fail(key, f"{message}, got {getattr(self, key)!r}")
+
+    def _choice(self, key: str, allowed: typing.Iterable[str]) -> None:
+        allowed = tuple(allowed)
+        if getattr(self, key) not in allowed:
+            self._fail(key, f"must be one of {list(allowed)}, got {getattr(self, key)!r}")
+
+    def _path_exists(self, key: str, path: str) -> None:
+        if not os.path.exists(path):
+            self._fail(key, f"path does not exist: {path}")
+
+
+@dataclass(frozen=True)
+class JobSectionConfig(_Section):
+    """[job] Run identity.
+
+    dump_folder: root for checkpoints and tensorboard output; description: logged at start;
+    seed: seeds model initialisation and the data order.
+    """
+
+    SECTION: ClassVar[str] = "job"
+    dump_folder: str = "./outputs"
+    description: str = ""
+    seed: int = 0
+
+    def validate(self) -> None:
+        self._require(bool(self.dump_folder), "dump_folder", "must be a non-empty path")
+        self._require(self.seed >= 0, "seed", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    """[model] Which model to build.
+
+    name: model family (only "glm5"); flavor: a named Glm5ModelArgs preset (models/glm5/args.py FLAVORS);
+    hf_config: path to an HF config.json or checkpoint directory; when set it overrides `flavor`.
+    """
+
+    SECTION: ClassVar[str] = "model"
+    name: str = "glm5"
+    flavor: str = "debug"
+    hf_config: str = ""
+
+    def validate(self) -> None:
+        from torchtitan_glm.models.glm5.args import FLAVORS, Glm5ModelArgs, ModelArgsError
+
+        self._choice("name", ("glm5",))
+        self._choice("flavor", sorted(FLAVORS))
+        if self.hf_config:
+            self._path_exists("hf_config", self.hf_config)
+            try:
+                Glm5ModelArgs.from_hf_config(self.hf_config)
+            except (ModelArgsError, TypeError) as e:
+                self._fail("hf_config", f"{self.hf_config}: {e}")
+
+
+_DTYPES = ("bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class TrainingConfig(_Section):
+    """[training] The optimisation loop.
+
+    steps: optimizer steps to run (also the LR schedule length); seq_len: tokens per row;
+    local_batch_size: rows per data-parallel rank per step; max_norm: global gradient-norm clip (> 0);
+    mixed_precision_param / mixed_precision_reduce: FSDP2 MixedPrecisionPolicy param and gradient-reduce dtypes;
+    deterministic: use deterministic algorithms (torch.use_deterministic_algorithms) for reproducible runs.
+    """
+
+    SECTION: ClassVar[str] = "training"
+    steps: int = 10
+    seq_len: int = 2048
+    local_batch_size: int = 1
+    max_norm: float = 1.0
+    mixed_precision_param: str = "bfloat16"
+    mixed_precision_reduce: str = "float32"
+    deterministic: bool = False
+
+    def validate(self) -> None:
+        self._require(self.steps >= 1, "steps", "must be >= 1")
+        self._require(self.seq_len >= 1, "seq_len", "must be > 0")
+        self._require(self.local_batch_size >= 1, "local_batch_size", "must be >= 1")
+        self._require(math.isfinite(self.max_norm) and self.max_norm > 0, "max_norm", "must be a finite number > 0")
+        self._choice("mixed_precision_param", _DTYPES)
+        self._choice("mixed_precision_reduce", _DTYPES)
+
+
+@dataclass(frozen=True)
+class DataConfig(_Section):
+    """[data] Where tokens come from (components/data.py, components/tokenizer.py).
+
+    source: "builtin" (this Python's standard-library sources; needs no download), "jsonl", "txt" (one document
+    per file) or "bin" (pre-tokenized, documents separated by the tokenizer's eos); paths: files or directories
+    for jsonl/txt/bin (must be empty for builtin); tokenizer: "byte" (built-in byte-level) or a tokenizer.json
+    path (or a directory holding one); text_key: the jsonl field holding the text; bin_dtype: "uint16" or
+    "uint32" element type of .bin files; add_eos: append eos after each text document (bin files already hold it).
+    """
+
+    SECTION: ClassVar[str] = "data"
+    source: str = "builtin"
+    paths: list[str] = field(default_factory=list)
+    tokenizer: str = "byte"
+    text_key: str = "text"
+    bin_dtype: str = "uint16"
+    add_eos: bool = True
+
+    def validate(self) -> None:
+        self._choice("source", ("builtin", "jsonl", "txt", "bin"))
+        if self.source == "builtin":
+            self._require(not self.paths, "paths", "must be empty for source='builtin'")
+        else:
+            self._require(bool(self.paths), "paths", f"needs at least one file for source={self.source!r}")
+        for p in self.paths:
+            self._path_exists("paths", p)
+        if self.tokenizer != "byte":
+            self._path_exists("tokenizer", self.tokenizer)
+            if os.path.isdir(self.tokenizer) and not os.path.isfile(os.path.join(self.tokenizer, "tokenizer.json")):
+                self._fail("tokenizer", f"directory {self.tokenizer} has no tokenizer.json")
+        self._require(bool(self.text_key), "text_key", "must be non-empty")
+        self._choice("bin_dtype", ("uint16", "uint32"))
+
+
+@dataclass(frozen=True)
+class OptimizerConfig(_Section):
+    """[optimizer] AdamW (components/optimizer.py).
+
+    name: only "AdamW"; lr: peak learning rate; beta1, beta2, eps: AdamW moments; weight_decay: decoupled decay
+    for parameters with ndim >= 2 not declared no-decay by their module; implementation: "auto" (fused on CUDA,
+    foreach otherwise), "fused", "foreach" or "for-loop".
+    """
+
+    SECTION: ClassVar[str] = "optimizer"
+    name: str = "AdamW"
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    implementation: str = "auto"
+
+    def validate(self) -> None:
+        self._choice("name", ("AdamW",))
+        self._require(math.isfinite(self.lr) and self.lr > 0, "lr", "must be a finite number > 0")
+        self._require(0.0 <= self.beta1 < 1.0, "beta1", "must be in [0, 1)")
+        self._require(0.0 <= self.beta2 < 1.0, "beta2", "must be in [0, 1)")
+        self._require(math.isfinite(self.eps) and self.eps > 0, "eps", "must be a finite number > 0")
+        self._require(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        self._choice("implementation", ("auto", "fused", "foreach", "for-loop"))
+
+
+@dataclass(frozen=True)
+class LRSchedulerConfig(_Section):
+    """[lr_scheduler] Warmup then decay (components/lr_scheduler.py).
+
+    warmup_steps: linear warmup length (<= training.steps); decay_type: "cosine", "linear" or "wsd"
+    (warmup-stable-decay); decay_ratio: for wsd, the fraction of training.steps spent in the final linear decay;
+    min_lr_factor: the floor, as a fraction of optimizer.lr.
+    """
+
+    SECTION: ClassVar[str] = "lr_scheduler"
+    warmup_steps: int = 2
+    decay_type: str = "cosine"
+    decay_ratio: float = 0.1
+    min_lr_factor: float = 0.1
+
+    def validate(self) -> None:
+        self._require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        self._choice("decay_type", ("cosine", "linear", "wsd"))
+        self._require(0.0 < self.decay_ratio <= 1.0, "decay_ratio", "must be in (0, 1]")
+        self._require(0.0 <= self.min_lr_factor <= 1.0, "min_lr_factor", "must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class LossConfig(_Section):
+    """[loss] Terms of the training objective and router balancing.
+
+    mtp_weight: weight of the multi-token-prediction CE; indexer_kl_coeff: weight of the DSA indexer KL loss;
+    indexer_stage: "sparse" (top-k attention, everything trains) or "dense_warmup" (dense attention, only the
+    indexer trains; sets the model's dsa_attention="dense"); indexer_sparse_loss: restrict the KL to the selected
+    set (sparse stage only); router_bias_update_rate: aux-loss-free expert-bias step; seq_aux_loss_coeff: weight of
+    the per-sequence balance loss (0 disables); ce_chunk_size: tokens per cross-entropy chunk, so logits of at most
+    this many tokens exist at once.
+    """
+
+    SECTION: ClassVar[str] = "loss"
+    mtp_weight: float = 0.1
+    indexer_kl_coeff: float = 1.0
+    indexer_stage: str = "sparse"
+    indexer_sparse_loss: bool = False
+    router_bias_update_rate: float = 1e-3
+    seq_aux_loss_coeff: float = 0.0
+    ce_chunk_size: int = 4096
+
+    def validate(self) -> None:
+        for key in ("mtp_weight", "indexer_kl_coeff", "router_bias_update_rate", "seq_aux_loss_coeff"):
+            value = getattr(self, key)
+            self._require(math.isfinite(value) and value >= 0, key, "must be a finite number >= 0")
+        self._choice("indexer_stage", ("sparse", "dense_warmup"))
+        if self.indexer_sparse_loss and self.indexer_stage != "sparse":
+            self._fail("indexer_sparse_loss", "applies only to loss.indexer_stage='sparse' "
+                       f"(indexer_stage is {self.indexer_stage!r})")
+        self._require(self.ce_chunk_size >= 1, "ce_chunk_size", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class ParallelismConfig(_Section):
+    """[parallelism] Device mesh.
+
+    data_parallel_shard_degree: FSDP2 shard degree; -1 means all remaining ranks.
+    """
+
+    SECTION: ClassVar[str] = "parallelism"
+    data_parallel_shard_degree: int = -1
+
+    def validate(self) -> None:
+        self._require(self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
+                      "data_parallel_shard_degree", "must be -1 (infer) or >= 1")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(_Section):
+    """[checkpoint] DCP checkpoints and HF import/export.
+
+    enable: save checkpoints; folder: under job.dump_folder; interval: steps between saves; keep_latest_k: delete
+    older step folders (0 keeps all); async_mode: "disabled" or "async" (DCP async_save); initial_load_path: weights
+    to start from when the folder holds no checkpoint; initial_load_in_hf: that path is an HF safetensors checkpoint;
+    last_save_in_hf: the final save is HF safetensors (needs enable); export_dtype: dtype of HF exports.
+    """
+
+    SECTION: ClassVar[str] = "checkpoint"
+    enable: bool = False
+    folder: str = "checkpoint"
+    interval: int = 500
+    keep_latest_k: int = 0
+    async_mode: str = "disabled"
+    initial_load_path: str = ""
+    initial_load_in_hf: bool = False
+    last_save_in_hf: bool = False
+    export_dtype: str = "bfloat16"
+
+    def validate(self) -> None:
+        self._require(bool(self.folder), "folder", "must be non-empty")
+        self._require(self.interval >= 1, "interval", "must be >= 1")
+        self._require(self.keep_latest_k >= 0, "keep_latest_k", "must be >= 0 (0 keeps all)")
+        self._choice("async_mode", ("disabled", "async"))
+        if self.initial_load_path:
+            self._path_exists("initial_load_path", self.initial_load_path)
+        if self.initial_load_in_hf and not self.initial_load_path:
+            self._fail("initial_load_in_hf", "is true but checkpoint.initial_load_path is empty")
+        if self.last_save_in_hf and not self.enable:
+            self._fail("last_save_in_hf", "is true but checkpoint.enable is false (nothing is saved)")
+        self._choice("export_dtype", _DTYPES)
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointConfig(_Section):
+    """[activation_checkpoint] mode: "none", "full" (recompute whole blocks) or "selective" (per-op policy)."""
+
+    SECTION: ClassVar[str] = "activation_checkpoint"
+    mode: str = "none"
+
+    def validate(self) -> None:
+        self._choice("mode", ("none", "full", "selective"))
+
+
+@dataclass(frozen=True)
+class CompileConfig(_Section):
+    """[compile] torch.compile.
+
+    enable: compile at all; backend: "inductor", "aot_eager" or "eager"; mode: torch.compile mode;
+    components: what to compile, a subset of ["model", "loss"].
+    """
+
+    SECTION: ClassVar[str] = "compile"
+    enable: bool = False
+    backend: str = "inductor"
+    mode: str = "default"
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+
+    def validate(self) -> None:
+        self._choice("backend", ("inductor", "aot_eager", "eager"))
+        self._choice("mode", ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
+        for c in self.components:
+            if c not in ("model", "loss"):
+                self._fail("components", f"unknown component {c!r}; choose from ['model', 'loss']")
+        self._require(len(set(self.components)) == len(self.components), "components", "has duplicates")
+
+
+@dataclass(frozen=True)
+class MetricsConfig(_Section):
+    """[metrics] Logging (components/metrics.py).
+
+    log_freq: steps between console/tensorboard logs; enable_tensorboard: write TensorBoard events (rank 0);
+    save_tb_folder: event folder under job.dump_folder.
+    """
+
+    SECTION: ClassVar[str] = "metrics"
+    log_freq: int = 10
+    enable_tensorboard: bool = False
+    save_tb_folder: str = "tb"
+
+    def validate(self) -> None:
+        self._require(self.log_freq >= 1, "log_freq", "must be >= 1")
+        self._require(bool(self.save_tb_folder), "save_tb_folder", "must be non-empty")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """The whole, validated, immutable run configuration: one attribute per TOML section."""
+
+    job: JobSectionConfig = field(default_factory=JobSectionConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def validate(self) -> None:
+        """Types, then each section's own rules, then the rules that span sections."""
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            for sf in dataclasses.fields(section):
+                _check_type(getattr(section, sf.name), _field_types(type(section))[sf.name], f"{f.name}.{sf.name}")
+            section.validate()
+        tr, lr = self.training, self.lr_scheduler
+        if lr.warmup_steps > tr.steps:
+            raise ConfigError("lr_scheduler.warmup_steps",
+                              f"{lr.warmup_steps} warmup steps exceed training.steps={tr.steps}")
+        if lr.decay_type == "wsd":
+            decay_steps = round(lr.decay_ratio * tr.steps)
+            if decay_steps < 1 or lr.warmup_steps + decay_steps > tr.steps:
+                raise ConfigError("lr_scheduler.decay_ratio",
+                                  f"wsd decay of round({lr.decay_ratio} * training.steps={tr.steps}) = {decay_steps} "
+                                  f"steps must be >= 1 and fit after lr_scheduler.warmup_steps={lr.warmup_steps}")
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def to_toml(self) -> str:
+        """TOML text that load_config reads back to an equal JobConfig."""
+        lines: list[str] = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
+            lines.append("")
+        return "\n".join(lines)
+
+
+_SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------------------------------- typing
+@functools.lru_cache(maxsize=None)
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _optional_inner(tp: Any) -> Any | None:
+    """X for Optional[X] / X | None, else None."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0]
+    return None
+
+
+def _type_name(tp: Any) -> str:
+    inner = _optional_inner(tp)
+    if inner is not None:
+        return f"{_type_name(inner)} or none"
+    if typing.get_origin(tp) is list:
+        return "list of strings"
+    return {bool: "bool (true/false)", int: "integer", float: "number", str: "string"}.get(tp, str(tp))
+
+
+def _check_type(value: Any, tp: Any, key: str) -> None:
+    inner = _optional_inner(tp)
+    if inner is not None:
+        if value is not None:
+            _check_type(value, inner, key)
+        return
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+    }.get(tp, lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))(value)
+    if not ok:
+        raise ConfigError(key, f"expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _from_toml(value: Any, tp: Any, key: str) -> Any:
+    _check_type(value, tp, key)
+    return float(value) if tp is float else value
+
+
+def _from_cli(text: str, tp: Any, key: str) -> Any:
+    inner = _optional_inner(tp)
+    if inner is not None:
+        return None if text.strip().lower() in ("", "none", "null") else _from_cli(text, inner, key)
+    try:
+        if tp is bool:
+            lowered = text.strip().lower()
+            if lowered not in ("true", "false", "1", "0"):
+                raise ValueError
+            return lowered in ("true", "1")
+        if tp is int:
+            return int(text)
+        if tp is float:
+            return float(text)
+        if tp is str:
+            return text
+        return [s.strip() for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(key, f"expected {_type_name(tp)}, got {text!r}") from None
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+
+
+# --------------------------------------------------------------------------------------------------- loading
+def _lookup(section: str, key: str | None, source: str) -> Any:
+    """The field type of section.key; ConfigError (with suggestions) for unknown names."""
+    if section not in _SECTIONS:
+        close = difflib.get_close_matches(section, _SECTIONS, n=1)
+        hint = f"; did you mean [{close[0]}]?" if close else f"; known sections: {sorted(_SECTIONS)}"
+        raise ConfigError(section, f"unknown section [{section}]{hint}", source)
+    types_ = _field_types(_SECTIONS[section])
+    if key is not None and key not in types_:
+        close = difflib.get_close_matches(key, types_, n=1)
+        hint = f"; did you mean `{section}.{close[0]}`?" if close else f"; known keys: {sorted(types_)}"
+        raise ConfigError(f"{section}.{key}", f"unknown key{hint}", source)
+    return types_.get(key) if key is not None else None
+
+
+def _parse_argv(argv: list[str]) -> tuple[str | None, bool, bool, list[tuple[str, str | None]]]:
+    """Split argv into (config path, --print-config, --help, [(dotted key, raw value or None for a bare flag)])."""
+    config_path, print_config, want_help, overrides = None, False, False, []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if arg in ("-h", "--help"):
+            want_help = True
+            continue
+        if arg == "--print-config":
+            print_config = True
+            continue
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(arg, "unexpected command-line argument (expected --config PATH or --section.key VALUE)")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i < len(argv) and not argv[i].startswith("--"):
+                value, i = argv[i], i + 1
+            else:
+                value = None
+        if name == "config":
+            if value is None:
+                raise ConfigError("--config", "needs a path")
+            config_path = value
+        elif "." in name:
+            overrides.append((name, value))
+        else:
+            raise ConfigError(arg, "unknown option; overrides look like --section.key VALUE")
+    return config_path, print_config, want_help, overrides
+
+
+def _help_text() -> str:
+    lines = ["usage: train.py [--config FILE.toml] [--print-config] [--section.key VALUE | --section.key=VALUE]...", ""]
+    for section, cls in _SECTIONS.items():
+        lines.append(f"[{section}]")
+        default = cls()
+        for name, tp in _field_types(cls).items():
+            lines.append(f"  --{section}.{name} ({_type_name(tp)}, default {_toml_value(getattr(default, name))})")
+    return "\n".join(lines)
+
+
+def load_config(argv: list[str] | None = None) -> JobConfig:
+    """Parse `--config path.toml`, `--print-config` and `--section.key value` overrides into a validated JobConfig.
+
+    `--print-config` prints the merged config as TOML and exits 0; `--help` lists every key and exits 0.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_path, print_config, want_help, overrides = _parse_argv(argv)
+    if want_help:
+        print(_help_text())
+        raise SystemExit(0)
+    file_note = f"config file {config_path}" if config_path else None
+    values: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+    origin: dict[str, str] = {}
+
+    if config_path is not None:
+        try:
+            with open(config_path, "rb") as f:
+                raw = tomllib.load(f)
+        except OSError as e:
+            raise ConfigError("--config", f"cannot read {config_path}: {e.strerror or e}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError("--config", f"{config_path} is not valid TOML: {e}") from None
+        for section, table in raw.items():
+            _lookup(section, None, file_note)
+            if not isinstance(table, dict):
+                raise ConfigError(section, f"expected a table [{section}], got {table!r}", file_note)
+            for key, value in table.items():
+                tp = _lookup(section, key, file_note)
+                try:
+                    values[section][key] = _from_toml(value, tp, f"{section}.{key}")
+                except ConfigError as e:
+                    raise e.with_source(file_note) from None
+                origin[f"{section}.{key}"] = file_note
+
+    for dotted, text in overrides:
+        section, _, key = dotted.partition(".")
+        cli_note = f"command line --{dotted}" + (f"; {file_note}" if file_note else "")
+        tp = _lookup(section, key, cli_note)
+        if text is None:
+            if tp is not bool:
+                raise ConfigError(dotted, f"needs a value ({_type_name(tp)})", cli_note)
+            text = "true"
+        try:
+            values[section][key] = _from_cli(text, tp, dotted)
+        except ConfigError as e:
+            raise e.with_source(cli_note) from None
+        origin[dotted] = cli_note
+
+    cfg = JobConfig(**{s: cls(**values[s]) for s, cls in _SECTIONS.items()})
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        default_note = "default value" + (f"; {file_note}" if file_note else "")
+        raise e.with_source(origin.get(e.key, default_note)) from None
+    if print_config:
+        print(cfg.to_toml(), end="")
+        raise SystemExit(0)
+    return cfg
+
+
+def main_guard(fn: Callable[..., T]) -> Callable[..., T]:
+    """Wrap an entry point: a ConfigError prints one line to stderr and exits with code 2.
+
+    Call load_config first thing inside `fn`, before any process group starts, so every rank fails the same way.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.stderr.flush()
+        raise SystemExit(2)
+
+    return wrapper
