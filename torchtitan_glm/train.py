@@ -30,7 +30,13 @@ _MATERIALIZE_INIT_MAX_PARAMS = 2_000_000_000
 
 
 def build_model_args(cfg: JobConfig) -> Glm5ModelArgs:
-    args = Glm5ModelArgs.from_hf_config(cfg.model.hf_config) if cfg.model.hf_config else get_flavor(cfg.model.flavor)
+    """From model.hf_config, else the HF checkpoint being loaded, else the named flavor."""
+    if cfg.model.hf_config:
+        args = Glm5ModelArgs.from_hf_config(cfg.model.hf_config)
+    elif cfg.checkpoint.initial_load_in_hf and cfg.checkpoint.initial_load_path:
+        args = Glm5ModelArgs.from_hf_config(cfg.checkpoint.initial_load_path)
+    else:
+        args = get_flavor(cfg.model.flavor)
     stage = "dense" if cfg.loss.indexer_stage == "dense_warmup" else "sparse"
     if cfg.loss.mtp_weight == 0:
         args = args.replace(num_nextn_predict_layers=0)
@@ -104,12 +110,17 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             cfg=cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
-            hf_load_fn=_hf_load, hf_save_fn=_hf_save)
+            hf_load_fn=_hf_load, hf_save_fn=self._hf_save)
         self.logger = build_metrics_logger(cfg=cfg.metrics, dump_folder=cfg.job.dump_folder, rank=self.rank)
         self.memory = DeviceMemoryMonitor(self.device)
         self.flops_per_token = flops_per_token(self.args, cfg.training.seq_len)
         self.peak_flops = get_peak_flops(torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None)
         self.step = 0
+
+    def _hf_save(self, model: torch.nn.Module, out_dir: str) -> None:
+        from torchtitan_glm.models.glm5.hf_distributed import save_hf_from_sharded
+
+        save_hf_from_sharded(model, out_dir, dtype=getattr(torch, self.cfg.checkpoint.export_dtype))
 
     # ---------------------------------------------------------------------------------------------- step
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -209,15 +220,9 @@ def mtp_targets_of(labels: torch.Tensor) -> torch.Tensor:
 
 
 def _hf_load(model: torch.nn.Module, path: str) -> None:
-    from torchtitan_glm.models.glm5.hf_io import load_hf_weights_into
+    from torchtitan_glm.models.glm5.hf_distributed import load_hf_weights_into
 
     load_hf_weights_into(model, path)
-
-
-def _hf_save(model: torch.nn.Module, out_dir: str) -> None:
-    from torchtitan_glm.models.glm5.hf_io import save_hf_from_sharded
-
-    save_hf_from_sharded(model, out_dir)
 
 
 @main_guard
