@@ -32,6 +32,32 @@ def _torchrun(args: list[str], *, nproc: int = 2, timeout: int = 300) -> subproc
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _kill_all(proc: subprocess.Popen, *, marker: str) -> None:
+    """SIGKILL torchrun and its workers (they run in their own process groups): every process whose command line
+    holds `marker`, then wait until none is left."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 30
+    while True:
+        alive = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        alive.append(int(pid))
+            except OSError:
+                continue
+        if not alive:
+            return
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        assert time.time() < deadline, f"processes {alive} survived SIGKILL"
+        time.sleep(0.1)
+
+
 def _losses(stdout: str) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(2)) for m in map(STEP_LINE.match, stdout.splitlines()) if m}
 
@@ -93,8 +119,7 @@ def test_resume_is_exact(tmp_path):
         assert proc.poll() is None, "the interrupted run exited before writing its step-10 checkpoint"
         assert time.time() < deadline, "no step-10 checkpoint within the time limit"
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    _kill_all(proc, marker=str(part_dir))
     for later in ckpt_dir.glob("step-*"):
         if later.name != "step-10":
             shutil.rmtree(later)  # a save that raced the kill: the job is "stopped at step 10"
