@@ -144,3 +144,25 @@ def test_config_errors_exit_2_naming_the_key(override, key):
                          env=dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1"))
     assert res.returncode == 2, res.stderr[-2000:]
     assert key in res.stderr
+
+
+def test_initial_hf_load_and_final_hf_export(tmp_path):
+    """Load an HF directory into the sharded model, train with a learning rate too small to move FP32 weights,
+    export HF at the end: the export equals the input tensor for tensor (so both directions are exact)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from torchtitan_glm.models.glm5 import Glm5Model, get_flavor, save_pretrained
+
+    torch.manual_seed(0)
+    save_pretrained(Glm5Model(get_flavor("debug")), tmp_path / "hf_init")
+    _run_ok(SHORT + [f"--job.dump_folder={tmp_path / 'run'}", "--training.steps", "2", "--lr_scheduler.warmup_steps",
+                     "1", "--optimizer.lr", "1e-30", "--loss.router_bias_update_rate", "0",
+                     f"--checkpoint.initial_load_path={tmp_path / 'hf_init'}", "--checkpoint.initial_load_in_hf", "true",
+                     "--checkpoint.last_save_in_hf", "true", "--checkpoint.export_dtype", "float32"])
+    exported = load_file(tmp_path / "run" / "checkpoint" / "hf-step-2" / "model.safetensors")
+    original = load_file(tmp_path / "hf_init" / "model.safetensors")
+    assert exported.keys() == original.keys()
+    for name, t in original.items():
+        # Adam moves every weight by ~lr = 1e-30: invisible next to non-zero FP32 values, but zeros become ~1e-30.
+        torch.testing.assert_close(exported[name], t, rtol=0, atol=1e-28, msg=name)

@@ -1,0 +1,250 @@
+"""CheckpointManager in one process without a process group: exact resume, RNG, retention, crash leftovers, errors."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from torchtitan_glm.components.checkpoint import CheckpointManager, list_checkpoints, step_dir
+
+# DCP warns on every save/load without a process group, even when asked for no_dist explicitly.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+@dataclass
+class _Cfg:
+    enable: bool = True
+    folder: str = "checkpoint"
+    interval: int = 1
+    keep_latest_k: int = 0
+    async_mode: str = "disabled"
+    initial_load_path: str = ""
+    initial_load_in_hf: bool = False
+    last_save_in_hf: bool = False
+    export_dtype: str = "bfloat16"
+
+
+class _CounterLoader:
+    """A stateful fake dataloader: batch i is a pure function of its position i."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 + self.pos)
+        self.pos += 1
+        return torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]
+
+
+def _build(seed: int):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))
+    return model, opt, sched, _CounterLoader()
+
+
+def _train(model, opt, sched, dl, n: int) -> list[float]:
+    """Steps whose losses depend on every RNG the manager restores (dropout: torch; jitter: python and numpy)."""
+    losses = []
+    for _ in range(n):
+        x, y = next(dl)
+        jitter = 1.0 + 1e-3 * random.random() + 1e-3 * float(np.random.rand())
+        loss = nn.functional.mse_loss(model(x), y) * jitter
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _manager(tmp_path, parts, cfg: _Cfg | None = None, **kw) -> CheckpointManager:
+    model, opt, sched, dl = parts
+    return CheckpointManager(cfg=cfg or _Cfg(), dump_folder=str(tmp_path), model=model, optimizer=opt,
+                             lr_scheduler=sched, dataloader=dl, **kw)
+
+
+def _draws() -> tuple[list[float], float, float]:
+    return torch.rand(4).tolist(), random.random(), float(np.random.rand())
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_resume_is_bit_identical(tmp_path, async_mode):
+    root = tmp_path / "checkpoint"
+    cfg = _Cfg(async_mode=async_mode)
+    run_a = _build(seed=0)
+    mgr = _manager(tmp_path, run_a, cfg)
+    _train(*run_a, 3)
+    assert mgr.save(3)
+    draws_a = _draws()
+    losses_a = _train(*run_a, 2)  # in async mode this mutates the weights while the save may still be writing
+    if async_mode == "async":
+        assert not (root / "step-3").exists(), "an async checkpoint is published only when it is waited for"
+    mgr.close()
+    assert list_checkpoints(str(root)) == [3]
+    assert not (root / "step-3.tmp").exists()
+
+    run_b = _build(seed=1)  # different initial weights: only the checkpoint can make the runs agree
+    assert not torch.equal(run_b[0][0].weight, run_a[0][0].weight)
+    mgr_b = _manager(tmp_path, run_b, cfg)
+    assert mgr_b.load() == 3
+    assert run_b[3].pos == 3 and run_b[2].last_epoch == 3
+    assert _draws() == draws_a
+    assert _train(*run_b, 2) == losses_a
+    for pa, pb in zip(run_a[0].parameters(), run_b[0].parameters()):
+        assert torch.equal(pa, pb)
+    mgr_b.close()
+
+
+def test_interval_keep_latest_k_and_last(tmp_path):
+    parts = _build(seed=0)
+    mgr = _manager(tmp_path, parts, _Cfg(interval=2, keep_latest_k=2))
+    saved = [s for s in range(1, 7) if mgr.save(s)]
+    assert saved == [2, 4, 6]
+    root = str(tmp_path / "checkpoint")
+    assert list_checkpoints(root) == [4, 6]
+    assert mgr.save(7, last=True)
+    assert list_checkpoints(root) == [6, 7]
+    assert sorted(os.listdir(root)) == ["step-6", "step-7"]
+
+
+def test_keep_all_and_disabled(tmp_path):
+    parts = _build(seed=0)
+    mgr = _manager(tmp_path, parts, _Cfg(interval=1, keep_latest_k=0))
+    for s in range(1, 5):
+        mgr.save(s)
+    assert list_checkpoints(str(tmp_path / "checkpoint")) == [1, 2, 3, 4]
+
+    off = _manager(tmp_path / "off", parts, _Cfg(enable=False))
+    assert not off.save(5) and not off.save(6, last=True)
+    assert not (tmp_path / "off").exists()
+    assert off.load() is None
+
+
+def test_crash_leftover_tmp_is_ignored_then_cleaned(tmp_path):
+    root = tmp_path / "checkpoint"
+    run_a = _build(seed=0)
+    mgr = _manager(tmp_path, run_a)
+    _train(*run_a, 2)
+    mgr.save(2)
+    ref = {k: v.clone() for k, v in run_a[0].state_dict().items()}
+    # A save of step 5 that died mid-write: even its .metadata is there (crash just before the rename), but one
+    # data file is truncated. Plus a step folder without .metadata: neither is a complete checkpoint.
+    shutil.copytree(root / "step-2", root / "step-5.tmp")
+    data = next(p for p in (root / "step-5.tmp").iterdir() if p.suffix == ".distcp")
+    data.write_bytes(data.read_bytes()[:10])
+    (root / "step-4").mkdir()
+    (root / "step-4" / "__0_0.distcp").write_bytes(b"partial")
+    assert list_checkpoints(str(root)) == [2]
+
+    run_b = _build(seed=1)
+    mgr_b = _manager(tmp_path, run_b)
+    assert mgr_b.load() == 2
+    for k, v in run_b[0].state_dict().items():
+        assert torch.equal(v, ref[k])
+    assert mgr_b.save(6)
+    assert not (root / "step-5.tmp").exists(), "the next save removes crash leftovers"
+    assert list_checkpoints(str(root)) == [2, 6]
+
+
+def test_missing_or_corrupt_step_errors_name_the_path(tmp_path):
+    root = tmp_path / "checkpoint"
+    parts = _build(seed=0)
+    mgr = _manager(tmp_path, parts)
+    mgr.save(1)
+    with pytest.raises(FileNotFoundError, match=str(root / "step-9")):
+        mgr.load(step=9)
+    (root / "step-3").mkdir()
+    with pytest.raises(RuntimeError, match=f"{root / 'step-3'}.*incomplete"):
+        mgr.load(step=3)
+    data = next(p for p in (root / "step-1").iterdir() if p.suffix == ".distcp")
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(RuntimeError, match=str(root / "step-1")):
+        mgr.load(step=1)
+
+
+def test_fresh_run_returns_none(tmp_path):
+    parts = _build(seed=0)
+    before = [p.clone() for p in parts[0].parameters()]
+    assert _manager(tmp_path, parts).load() is None
+    assert all(torch.equal(a, b) for a, b in zip(before, parts[0].parameters()))
+
+
+def test_resave_same_step_replaces_it(tmp_path):
+    parts = _build(seed=0)
+    mgr = _manager(tmp_path, parts)
+    mgr.save(3)
+    _train(*parts, 1)
+    mgr2 = _manager(tmp_path, parts)  # a new manager (e.g. a rerun) saving an existing step again
+    assert mgr2.save(3)
+    expect = [p.clone() for p in parts[0].parameters()]
+    fresh = _build(seed=1)
+    assert _manager(tmp_path, fresh).load() == 3
+    assert all(torch.equal(a, b) for a, b in zip(expect, fresh[0].parameters()))
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-3"]
+
+
+def test_initial_load_from_dcp_is_model_only(tmp_path):
+    src = _build(seed=0)
+    _train(*src, 2)
+    _manager(tmp_path / "src", src).save(2)
+    path = step_dir(str(tmp_path / "src" / "checkpoint"), 2)
+
+    dst = _build(seed=1)
+    mgr = _manager(tmp_path / "dst", dst, _Cfg(initial_load_path=path))
+    assert mgr.load() is None  # a fresh run that starts from given weights
+    for pa, pb in zip(src[0].parameters(), dst[0].parameters()):
+        assert torch.equal(pa, pb)
+    assert len(dst[1].state) == 0 and dst[3].pos == 0 and dst[2].last_epoch == 0
+
+    # A bare model state dict (no "model." prefix), as other tools write it.
+    bare = tmp_path / "bare"
+    torch.distributed.checkpoint.save(src[0].state_dict(), checkpoint_id=str(bare))
+    dst2 = _build(seed=2)
+    assert _manager(tmp_path / "dst2", dst2, _Cfg(initial_load_path=str(bare))).load() is None
+    for pa, pb in zip(src[0].parameters(), dst2[0].parameters()):
+        assert torch.equal(pa, pb)
+
+    # Once the run has its own checkpoint, that wins over initial_load_path.
+    _train(*dst, 1)
+    mgr.save(3)
+    again = _build(seed=3)
+    assert _manager(tmp_path / "dst", again, _Cfg(initial_load_path=path)).load() == 3
+    for pa, pb in zip(dst[0].parameters(), again[0].parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_hf_hooks(tmp_path):
+    calls = []
+    root = tmp_path / "checkpoint"
+
+    def hf_load(model, path):
+        calls.append(("load", model, path))
+
+    def hf_save(model, out_dir):
+        calls.append(("save", model, out_dir, list_checkpoints(str(root))))
+
+    parts = _build(seed=0)
+    cfg = _Cfg(interval=5, initial_load_path=str(tmp_path), initial_load_in_hf=True, last_save_in_hf=True)
+    mgr = _manager(tmp_path, parts, cfg, hf_load_fn=hf_load, hf_save_fn=hf_save)
+    assert mgr.load() is None
+    assert calls == [("load", parts[0], str(tmp_path))]
+    assert mgr.save(5) and len(calls) == 1  # not the last save: no export
+    assert mgr.save(5, last=True)  # already saved by the interval: only the export runs
+    assert calls[1] == ("save", parts[0], str(root / "hf-step-5"), [5])
+    with pytest.raises(ValueError, match="hf_save_fn"):
+        _manager(tmp_path, parts, cfg, hf_load_fn=hf_load)
