@@ -260,6 +260,9 @@ class LossConfig(_Section):
         if self.indexer_sparse_loss and self.indexer_stage != "sparse":
             self._fail("indexer_sparse_loss", "applies only to loss.indexer_stage='sparse' "
                        f"(indexer_stage is {self.indexer_stage!r})")
+        if self.indexer_stage == "dense_warmup" and self.indexer_kl_coeff <= 0:
+            self._fail("indexer_kl_coeff", "must be > 0 in loss.indexer_stage='dense_warmup': the indexer KL is "
+                       "the only trained objective there")
         self._require(self.ce_chunk_size >= 1, "ce_chunk_size", "must be >= 1")
 
 

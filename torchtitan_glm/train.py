@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +20,7 @@ from torchtitan_glm.components.tokenizer import build_tokenizer
 from torchtitan_glm.config import JobConfig, load_config, main_guard
 from torchtitan_glm.distributed.parallel_dims import ParallelDims
 from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs, get_flavor
+from torchtitan_glm.models.glm5.model import mtp_targets
 from torchtitan_glm.models.glm5.parallelize import allreduce_replicated_grads, parallelize_glm5
 
 # Models up to this size are initialised whole on every rank before sharding, which makes the initial weights
@@ -130,13 +129,15 @@ class Trainer:
         doc_ids = batch["doc_ids"].to(self.device)
         count = losses.global_token_count(labels)
         scale = losses.token_scale(count, dp_size=self.dp_size)
-        mtp_count = losses.global_token_count(mtp_targets_of(labels)) if self.model.mtp is not None else None
+        mtp_count = losses.global_token_count(mtp_targets(labels)) if self.model.mtp is not None else None
         mtp_scale = cfg.mtp_weight * losses.token_scale(mtp_count, dp_size=self.dp_size) if mtp_count is not None else 0.0
         use_kl = cfg.indexer_kl_coeff > 0 and self.args.num_dsa_layers > 0
         out = self.model(tokens, doc_ids=doc_ids, labels=labels, token_scale=scale, mtp_scale=mtp_scale,
                          collect_indexer_stats=use_kl, seq_aux=cfg.seq_aux_loss_coeff > 0,
                          ce_chunk_size=cfg.ce_chunk_size)
-        total = out.loss if cfg.indexer_stage == "sparse" else out.loss.detach() * 0
+        # Sparse stage: everything trains on CE + MTP (+ KL for the indexer). Dense warm-up: only the indexer's
+        # parameters require grad, and the KL is its objective; the CE is still computed, for the log.
+        total = out.loss if cfg.indexer_stage == "sparse" else out.loss.new_zeros(())
         kl = None
         if use_kl:
             kl = losses.indexer_kl_loss(out.indexer_stats, sparse=cfg.indexer_sparse_loss)
@@ -211,12 +212,6 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-
-
-def mtp_targets_of(labels: torch.Tensor) -> torch.Tensor:
-    from torchtitan_glm.models.glm5.model import mtp_targets
-
-    return mtp_targets(labels)
 
 
 def _hf_load(model: torch.nn.Module, path: str) -> None:

@@ -166,3 +166,25 @@ def test_initial_hf_load_and_final_hf_export(tmp_path):
     for name, t in original.items():
         # Adam moves every weight by ~lr = 1e-30: invisible next to non-zero FP32 values, but zeros become ~1e-30.
         torch.testing.assert_close(exported[name], t, rtol=0, atol=1e-28, msg=name)
+
+
+def test_dense_warmup_trains_only_the_indexer(tmp_path):
+    """indexer_stage=dense_warmup: dense attention, the KL is the objective, only indexer tensors move."""
+    import torch
+    from safetensors.torch import load_file
+
+    from torchtitan_glm.models.glm5 import Glm5Model, get_flavor, save_pretrained
+
+    torch.manual_seed(0)
+    save_pretrained(Glm5Model(get_flavor("debug")), tmp_path / "hf_init")
+    res = _run_ok(SHORT + [f"--job.dump_folder={tmp_path / 'run'}", "--training.steps", "3", "--lr_scheduler.warmup_steps",
+                           "1", "--loss.indexer_stage", "dense_warmup", "--loss.router_bias_update_rate", "0",
+                           f"--checkpoint.initial_load_path={tmp_path / 'hf_init'}", "--checkpoint.initial_load_in_hf",
+                           "true", "--checkpoint.last_save_in_hf", "true", "--checkpoint.export_dtype", "float32"])
+    assert "indexer_kl_loss" in res.stdout
+    exported = load_file(tmp_path / "run" / "checkpoint" / "hf-step-3" / "model.safetensors")
+    original = load_file(tmp_path / "hf_init" / "model.safetensors")
+    moved = {name for name, t in original.items() if not torch.equal(exported[name], t)}
+    indexer = {name for name in original if ".indexer." in name}
+    assert moved and moved <= indexer, f"non-indexer tensors changed: {sorted(moved - indexer)[:5]}"
+    assert any("wq_b" in n for n in moved) and any("weights_proj" in n for n in moved)
