@@ -16,7 +16,6 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,20 +26,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from torchtitan_glm.config import CheckpointConfig
 from torchtitan_glm.components.checkpoint import CheckpointManager, list_checkpoints
 
 
-@dataclass
-class _Cfg:
-    enable: bool = True
-    folder: str = "checkpoint"
-    interval: int = 1
-    keep_latest_k: int = 0
-    async_mode: str = "disabled"
-    initial_load_path: str = ""
-    initial_load_in_hf: bool = False
-    last_save_in_hf: bool = False
-    export_dtype: str = "bfloat16"
+def _Cfg(**overrides) -> CheckpointConfig:  # noqa: N802 - reads like the dataclass it builds
+    """The real [checkpoint] section, enabled and saving every step unless overridden."""
+    return CheckpointConfig(**{"enable": True, "interval": 1, **overrides})
 
 
 class _Loader:
@@ -82,7 +74,7 @@ class _CrashableManager(CheckpointManager):
         return _SlowWriter(path) if self.slow else super()._storage_writer(path)
 
 
-def _build(seed: int, mesh, rank: int, *, width: int, depth: int, cfg: _Cfg, dump: str):
+def _build(seed: int, mesh, rank: int, *, width: int, depth: int, cfg: CheckpointConfig, dump: str):
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
     for _ in range(depth):

@@ -5,30 +5,22 @@ from __future__ import annotations
 import os
 import random
 import shutil
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from torchtitan_glm.config import CheckpointConfig
 from torchtitan_glm.components.checkpoint import CheckpointManager, list_checkpoints, step_dir
 
 # DCP warns on every save/load without a process group, even when asked for no_dist explicitly.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
-@dataclass
-class _Cfg:
-    enable: bool = True
-    folder: str = "checkpoint"
-    interval: int = 1
-    keep_latest_k: int = 0
-    async_mode: str = "disabled"
-    initial_load_path: str = ""
-    initial_load_in_hf: bool = False
-    last_save_in_hf: bool = False
-    export_dtype: str = "bfloat16"
+def _Cfg(**overrides) -> CheckpointConfig:  # noqa: N802 - reads like the dataclass it builds
+    """The real [checkpoint] section, enabled and saving every step unless overridden."""
+    return CheckpointConfig(**{"enable": True, "interval": 1, **overrides})
 
 
 class _CounterLoader:
@@ -72,7 +64,7 @@ def _train(model, opt, sched, dl, n: int) -> list[float]:
     return losses
 
 
-def _manager(tmp_path, parts, cfg: _Cfg | None = None, **kw) -> CheckpointManager:
+def _manager(tmp_path, parts, cfg: CheckpointConfig | None = None, **kw) -> CheckpointManager:
     model, opt, sched, dl = parts
     return CheckpointManager(cfg=cfg or _Cfg(), dump_folder=str(tmp_path), model=model, optimizer=opt,
                              lr_scheduler=sched, dataloader=dl, **kw)
