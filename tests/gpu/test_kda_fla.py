@@ -22,10 +22,12 @@ def _fla_usable() -> bool:
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _fla_usable(), reason="needs CUDA and fla-core with triton")]
 
 DEV = "cuda"
-# One head shape everywhere (GLM's 128): FLA autotunes each Triton kernel per (H, K, V, dtype) on first use,
-# which takes minutes per new combination, so the file sticks to H=4, K=V=128 and two dtypes.
+# On a fresh machine FLA compiles and autotunes every Triton kernel per autotune key (H, K, V, tensor dtypes,
+# and dense vs varlen, since cu_seqlens=None changes the key): several minutes per new combination on an H200.
+# So the file keeps one head shape (H=4, K=V=128) and the default set to the production path (bf16,
+# safe_gate=True, dense and varlen); fp32 inputs and unbounded gates (safe_gate=False) are marked slow.
 H, D = 4, 128
-DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+SLOW = pytest.mark.slow
 NAMES = ("o", "dq", "dk", "dv", "dg", "dbeta")
 # FLA upstream (tests/ops/test_kda.py, fp16 vs naive_recurrent_kda): o 0.005, dq/dk/dv 0.008, dg/db 0.02 as an
 # RMS error ratio. bf16 keeps 3 fewer mantissa bits than fp16, so its bounds are looser.
@@ -82,8 +84,13 @@ def seq_idx_for(b, lengths_per_row):
     return torch.stack(rows).to(DEV)
 
 
-@DTYPES
-@pytest.mark.parametrize("gate,safe_gate", [("bounded", True), ("uniform", True), ("logsigmoid", False)])
+@pytest.mark.parametrize("dtype,gate,safe_gate", [
+    pytest.param(torch.bfloat16, "bounded", True, id="bf16-bounded-safe"),
+    pytest.param(torch.bfloat16, "uniform", True, id="bf16-uniform-safe"),
+    pytest.param(torch.bfloat16, "logsigmoid", False, marks=SLOW, id="bf16-logsigmoid"),
+    pytest.param(torch.float32, "bounded", True, marks=SLOW, id="fp32-bounded-safe"),
+    pytest.param(torch.float32, "logsigmoid", False, marks=SLOW, id="fp32-logsigmoid"),
+])
 def test_fla_matches_reference(dtype, gate, safe_gate):
     inputs, do = make_inputs(2, 300, dtype, gate=gate)  # T not a multiple of 64
     got = value_and_grads(lambda *x: kda(*x, safe_gate=safe_gate), inputs, do)
@@ -91,8 +98,11 @@ def test_fla_matches_reference(dtype, gate, safe_gate):
     assert_close(got, reference(inputs, do, None), dtype)
 
 
-@DTYPES
-@pytest.mark.parametrize("safe_gate", [True, False])
+@pytest.mark.parametrize("dtype,safe_gate", [
+    pytest.param(torch.bfloat16, True, id="bf16-safe"),
+    pytest.param(torch.bfloat16, False, marks=SLOW, id="bf16-unsafe"),
+    pytest.param(torch.float32, True, marks=SLOW, id="fp32-safe"),
+])
 def test_fla_varlen_matches_reference(dtype, safe_gate):
     # Row 1 starts with row 0's last id (must restart at the row start); short (<16) and >64 documents.
     seq_idx = seq_idx_for(2, [[100, 13, 150, 37], [1, 64, 235]])
@@ -131,7 +141,11 @@ def test_cuda_opcheck():
     inputs, do = make_inputs(2, 80, torch.bfloat16, gate="bounded", seed=3)
     seq_idx = seq_idx_for(2, [[30, 50], [80]])
     xs = [x.clone().requires_grad_(True) for x in inputs]
-    torch.library.opcheck(torch.ops.torchtitan_glm.kda_fwd.default, (*xs, seq_idx, True))
+    # Not test_aot_dispatch_dynamic for kda_fwd: it compares raw output values of two runs, and FLA allocates
+    # the Aqk residual with torch.empty and writes only its causal part (the rest is never read), so those
+    # entries differ run to run. Compiled-vs-eager agreement is covered by test_compile_fullgraph_cuda.
+    torch.library.opcheck(torch.ops.torchtitan_glm.kda_fwd.default, (*xs, seq_idx, True),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     _, residuals = torch.ops.torchtitan_glm.kda_fwd(*inputs, seq_idx, True)
     torch.library.opcheck(torch.ops.torchtitan_glm.kda_bwd.default, (do, *inputs, seq_idx, residuals, True))
 

@@ -169,7 +169,9 @@ def _fla_fwd(q, k, v, g, beta, seq_idx, safe_gate) -> tuple[Tensor, list[Tensor]
         cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, chunk_indices=chunk_indices, chunk_size=_FLA_CHUNK,
         safe_gate=safe_gate,
     )
-    # Aqk/Akk (the intra-chunk solve) are the expensive residuals; the rest is recomputed in backward.
+    # Aqk/Akk (the intra-chunk solve) are the expensive residuals; the rest is recomputed in backward
+    # (as FLA's own autograd does, plus the cheap l2norm and gate cumsum). FLA leaves Aqk's non-causal
+    # entries unwritten (torch.empty), so their values are arbitrary; only the causal part is ever read.
     return o.reshape(b, t, h, -1).to(v.dtype), [a_qk.reshape(b, t, h, -1), a_kk.reshape(b, t, h, -1)]
 
 
@@ -241,6 +243,7 @@ def _kda_fwd_fake(q, k, v, g, beta, seq_idx, safe_gate):
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     if q.device.type != "cuda":
         return o, []
+    # FLA's Aqk and Akk: [B, T, H, chunk] in k's dtype (viewed back from the varlen [1, B*T, H, chunk])
     b, t, h, _ = q.shape
     return o, [k.new_empty(b, t, h, _FLA_CHUNK), k.new_empty(b, t, h, _FLA_CHUNK)]
 
