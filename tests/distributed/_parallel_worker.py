@@ -1,0 +1,62 @@
+"""torchrun worker for test_parallelize.py: BF16 FSDP2 with FP32-kept parameters on 2 gloo ranks."""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_glm.components.loss import indexer_kl_loss
+from torchtitan_glm.distributed.parallel_dims import ParallelDims
+from torchtitan_glm.models.glm5 import Glm5Model, get_flavor
+from torchtitan_glm.models.glm5.kda import KDADecay
+from torchtitan_glm.models.glm5.mhc import HyperConnection
+from torchtitan_glm.models.glm5.parallelize import allreduce_replicated_grads, parallelize_glm5
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = ParallelDims.from_config(dp_shard=-1, world_size=world).build_mesh("cpu")
+    torch.manual_seed(0)
+    model = Glm5Model(get_flavor("debug"))
+    replicated = parallelize_glm5(model, mesh=mesh, param_dtype="bfloat16", reduce_dtype="float32", ac_mode="none",
+                                  compile_enable=False)
+    seen: dict[str, torch.dtype] = {}
+    layer = model.layers["0"]
+
+    def record(key: str, attr: str):
+        def hook(module, args) -> None:  # a pre-hook must return None, or it replaces the inputs
+            seen.setdefault(key, getattr(module, attr).dtype)
+        return hook
+
+    layer.attn_hc.register_forward_pre_hook(record("hc_fn", "fn"))
+    layer.self_attn.decay.register_forward_pre_hook(record("A_log", "A_log"))
+    layer.self_attn.q_proj.register_forward_pre_hook(record("q_proj", "weight"))
+    opt = torch.optim.AdamW([p for p in model.parameters() if isinstance(p, torch.distributed.tensor.DTensor)], lr=1e-2)
+    opt_rep = torch.optim.AdamW(replicated, lr=1e-2)
+    gen = torch.Generator().manual_seed(100 + rank)  # different data on each rank
+    for _ in range(3):
+        tokens = torch.randint(0, 512, (2, 32), generator=gen)
+        labels = torch.roll(tokens, -1, 1)
+        out = model(tokens, labels=labels, token_scale=1.0 / labels.numel(), mtp_scale=0.1 / labels.numel(),
+                    collect_indexer_stats=True)
+        (out.loss + indexer_kl_loss(out.indexer_stats, sparse=False)).backward()
+        allreduce_replicated_grads(replicated)
+        opt.step()
+        opt_rep.step()
+        opt.zero_grad()
+        opt_rep.zero_grad()
+    assert seen == {"hc_fn": torch.float32, "A_log": torch.float32, "q_proj": torch.bfloat16}, seen
+    kinds = {type(m) for p in replicated for m in model.modules() if any(q is p for q in m.parameters(recurse=False))}
+    assert HyperConnection in kinds and KDADecay in kinds
+    assert all(p.dtype == torch.float32 and not isinstance(p, torch.distributed.tensor.DTensor) for p in replicated)
+    flat = torch.cat([p.detach().reshape(-1) for p in replicated])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    assert all(torch.equal(g, gathered[0]) for g in gathered), "replicated FP32 parameters diverged across ranks"
+    print(f"rank {rank} OK", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
