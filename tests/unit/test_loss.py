@@ -103,3 +103,24 @@ def test_router_bias_moves_toward_balance():
         first = float(ratio[0]) if first is None else first
     assert moe.gate.e_score_correction_bias[0] < 0
     assert float(ratio[0]) < 0.6 * first
+
+
+def test_sequence_aux_loss_matches_direct_formula():
+    from torchtitan_glm.models.glm5.moe import sequence_aux_loss
+
+    torch.manual_seed(0)
+    bsz, seqlen, e, k = 2, 5, 4, 2
+    scores = torch.rand(bsz * seqlen, e)
+    idx = scores.topk(k, dim=-1).indices
+    got = sequence_aux_loss(scores, idx, batch=bsz, top_k=k)
+    per_row = []
+    for b in range(bsz):
+        rows = range(b * seqlen, (b + 1) * seqlen)
+        f = [e / (k * seqlen) * sum(int(i in idx[r].tolist()) for r in rows) for i in range(e)]
+        p = [sum(float(scores[r, i] / scores[r].sum()) for r in rows) / seqlen for i in range(e)]
+        per_row.append(sum(fi * pi for fi, pi in zip(f, p)))
+    assert abs(float(got) - sum(per_row) / bsz) < 1e-6
+    moe = MoE(get_flavor("debug"))
+    moe.init_weights()
+    _, stats = moe(torch.randn(2, 7, 64), seq_aux=True)
+    assert stats.aux_loss.requires_grad and float(stats.aux_loss) > 0
