@@ -21,7 +21,9 @@ from torchtitan_glm.config import JobConfig, load_config, main_guard
 from torchtitan_glm.distributed.parallel_dims import ParallelDims
 from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs, get_flavor
 from torchtitan_glm.models.glm5.model import mtp_targets
-from torchtitan_glm.models.glm5.parallelize import allreduce_replicated_grads, parallelize_glm5
+from torchtitan_glm.models.glm5.parallelize import (
+    allreduce_replicated_grads, broadcast_replicated_params, parallelize_glm5,
+)
 
 # Models up to this size are initialised whole on every rank before sharding, which makes the initial weights
 # independent of the world size; larger ones are built on meta and initialised shard by shard.
@@ -93,6 +95,7 @@ class Trainer:
         if not small:
             model.to_empty(device=self.device)
             model.init_weights()
+        broadcast_replicated_params(self.replicated)
         self.model = model
 
         self.optimizer = build_optimizer(model=model, cfg=cfg.optimizer)

@@ -10,7 +10,9 @@ from torchtitan_glm.distributed.parallel_dims import ParallelDims
 from torchtitan_glm.models.glm5 import Glm5Model, get_flavor
 from torchtitan_glm.models.glm5.kda import KDADecay
 from torchtitan_glm.models.glm5.mhc import HyperConnection
-from torchtitan_glm.models.glm5.parallelize import allreduce_replicated_grads, parallelize_glm5
+from torchtitan_glm.models.glm5.parallelize import (
+    allreduce_replicated_grads, broadcast_replicated_params, parallelize_glm5,
+)
 
 
 def main() -> None:
@@ -21,6 +23,10 @@ def main() -> None:
     model = Glm5Model(get_flavor("debug"))
     replicated = parallelize_glm5(model, mesh=mesh, param_dtype="bfloat16", reduce_dtype="float32", ac_mode="none",
                                   compile_enable=False)
+    with torch.no_grad():  # pretend the ranks initialised the replicated parameters differently
+        for p in replicated:
+            p.add_(rank)
+    broadcast_replicated_params(replicated)
     seen: dict[str, torch.dtype] = {}
     layer = model.layers["0"]
 

@@ -67,3 +67,18 @@ def allreduce_replicated_grads(params: list[nn.Parameter], *, group: dist.Proces
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+@torch.no_grad()
+def broadcast_replicated_params(params: list[nn.Parameter], *, group: dist.ProcessGroup | None = None) -> None:
+    """Make rank 0's values of the replicated parameters every rank's (after initialisation or loading): random
+    init of sharded DTensors may consume each rank's generator differently, so plain-tensor init alone cannot
+    be trusted to agree."""
+    if not params or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+    dist.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    offset = 0
+    for p in params:
+        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
