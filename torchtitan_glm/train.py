@@ -176,6 +176,9 @@ class Trainer:
         cfg = self.cfg
         restored = self.checkpointer.load()
         self.step = restored or 0
+        if restored is not None and self.rank == 0:
+            print(f"resumed from the step-{restored} checkpoint in {cfg.job.dump_folder}; training to step "
+                  f"{cfg.training.steps}", flush=True)
         losses_seen: list[float] = []
         steps_total = cfg.training.steps
         tokens_per_step = cfg.training.seq_len * cfg.training.local_batch_size * self.dp_size
