@@ -233,11 +233,14 @@ class SparseMLA(nn.Module):
 @torch.no_grad()
 def pooled_attention_target(
     q: torch.Tensor, k: torch.Tensor, doc: DocLayout, pools: PoolLayout, valid: torch.Tensor, *, scale: float,
-    query_chunk: int = 1024,
+    query_chunk: int | None = None,
 ) -> torch.Tensor:
     """KL target: dense causal attention probabilities summed over heads and over each pool's tokens, L1-normalised
-    over the visible pools. Computed in FP32 query chunks so [B, H, T, T] never exists at once."""
-    bsz, _, seqlen, _ = q.shape
+    over the visible pools. Computed in FP32 query chunks so [B, H, T, T] never exists at once; by default a chunk
+    holds about 2^28 probabilities (1 GiB), e.g. 1024 queries at 64 heads x 4096 keys."""
+    bsz, heads, seqlen, _ = q.shape
+    if query_chunk is None:
+        query_chunk = max(1, 2**28 // (bsz * heads * seqlen))
     num_slots = pools.start.shape[1]
     causal = causal_doc_mask(doc)
     dump = pools.token_slot.masked_fill(pools.token_slot < 0, num_slots)  # tokens outside complete pools
