@@ -130,10 +130,10 @@ class Trainer:
         tokens = batch["input_ids"].to(self.device)
         labels = batch["labels"].to(self.device)
         doc_ids = batch["doc_ids"].to(self.device)
-        count = losses.global_token_count(labels)
+        count, mtp_count = losses.global_token_counts(labels, mtp_targets(labels))
         scale = losses.token_scale(count, dp_size=self.dp_size)
-        mtp_count = losses.global_token_count(mtp_targets(labels)) if self.model.mtp is not None else None
-        mtp_scale = cfg.mtp_weight * losses.token_scale(mtp_count, dp_size=self.dp_size) if mtp_count is not None else 0.0
+        use_mtp = self.model.mtp is not None
+        mtp_scale = cfg.mtp_weight * losses.token_scale(mtp_count, dp_size=self.dp_size) if use_mtp else 0.0
         use_kl = cfg.indexer_kl_coeff > 0 and self.args.num_dsa_layers > 0
         out = self.model(tokens, doc_ids=doc_ids, labels=labels, token_scale=scale, mtp_scale=mtp_scale,
                          collect_indexer_stats=use_kl, seq_aux=cfg.seq_aux_loss_coeff > 0,
@@ -164,7 +164,7 @@ class Trainer:
             dist.all_reduce(sums)
         metrics = {"loss": float(sums[0] / count), "grad_norm": float(grad_norm),
                    "lr": self.lr_scheduler.get_last_lr()[0], "tokens": int(count)}
-        if mtp_count is not None:
+        if use_mtp:
             metrics["mtp_loss"] = float(sums[1] / mtp_count.clamp_min(1))
         if kl is not None:
             metrics["indexer_kl_loss"] = float(sums[2] / self.dp_size)

@@ -13,12 +13,12 @@ from torchtitan_glm.models.glm5.dsa import IndexerStats
 from torchtitan_glm.models.glm5.moe import MoEStats, Router
 
 
-def global_token_count(labels: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Number of non-ignored labels summed over the data-parallel group (a 0-dim float tensor)."""
-    count = (labels != -100).sum().to(torch.float32)
+def global_token_counts(*labels: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Non-ignored labels of each tensor summed over the data-parallel group: one all-reduce, a float [n] tensor."""
+    counts = torch.stack([(t != -100).sum() for t in labels]).to(torch.float32)
     if dist.is_initialized():
-        dist.all_reduce(count, group=group)
-    return count
+        dist.all_reduce(counts, group=group)
+    return counts
 
 
 def token_scale(global_count: torch.Tensor, *, dp_size: int) -> torch.Tensor:
