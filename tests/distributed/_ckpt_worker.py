@@ -97,6 +97,7 @@ def _build(seed: int, mesh, rank: int, *, width: int, depth: int, cfg: Checkpoin
 
 
 def _train(model, opt, sched, loader, n: int) -> list[float]:
+    """Steps whose losses depend on every RNG the manager restores (torch, python and numpy)."""
     losses = []
     for _ in range(n):
         x, y = next(loader)

@@ -14,6 +14,8 @@ from torch import nn
 from torchtitan_glm.config import CheckpointConfig
 from torchtitan_glm.components.checkpoint import CheckpointManager, list_checkpoints, step_dir
 
+from tests.distributed._ckpt_worker import _train  # one training loop for the local and the torchrun tests
+
 # DCP warns on every save/load without a process group, even when asked for no_dist explicitly.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -47,21 +49,6 @@ def _build(seed: int):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))
     return model, opt, sched, _CounterLoader()
-
-
-def _train(model, opt, sched, dl, n: int) -> list[float]:
-    """Steps whose losses depend on every RNG the manager restores (dropout: torch; jitter: python and numpy)."""
-    losses = []
-    for _ in range(n):
-        x, y = next(dl)
-        jitter = 1.0 + 1e-3 * random.random() + 1e-3 * float(np.random.rand())
-        loss = nn.functional.mse_loss(model(x), y) * jitter
-        loss.backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def _manager(tmp_path, parts, cfg: CheckpointConfig | None = None, **kw) -> CheckpointManager:
