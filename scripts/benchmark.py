@@ -1,15 +1,18 @@
-"""Step time and peak memory of one training forward+backward (fused CE + MTP + indexer KL), eager vs compiled,
-with and without activation checkpointing, on one device.
+"""Step time and peak memory of one training forward+backward, eager vs compiled, with and without activation
+checkpointing, on one device.
 
     python scripts/benchmark.py --flavor glm5_3_flash_proxy --seq-len 4096 --runs eager:none,compiled:none,eager:full,compiled:full
 
-Weights are BF16 (no FSDP, no optimizer: the same scope as the transformers reference figure in
-shared/reference/measured_h200.md). Prints one JSON line per run and a markdown table.
+Weights are BF16, no FSDP, no optimizer. `--scope train` is what the trainer runs (fused CE + MTP layer + indexer
+KL); `--scope reference` drops the MTP layer and the indexer KL, the scope of the transformers figure in
+shared/reference/measured_h200.md (trunk + LM head + CE). `--profile` adds one profiled step per run and prints
+its CUDA kernels by total time. Prints one JSON line per run and a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -25,8 +28,11 @@ from torchtitan_glm.models.glm5 import Glm5Model, get_flavor
 
 
 def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, steps: int, warmup: int,
-            device: torch.device, dtype: torch.dtype, backend: str) -> dict:
+            device: torch.device, dtype: torch.dtype, backend: str, scope: str, profile: bool) -> dict:
     args = get_flavor(flavor)
+    train_scope = scope == "train"
+    if not train_scope:
+        args = dataclasses.replace(args, num_nextn_predict_layers=0)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Glm5Model(args)
@@ -43,9 +49,9 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
     n = labels.numel()
 
     def step() -> None:
-        out = model(tokens, doc_ids=doc_ids, labels=labels, token_scale=1.0 / n, mtp_scale=0.1 / n,
-                    collect_indexer_stats=True)
-        loss = out.loss + indexer_kl_loss(out.indexer_stats, sparse=False)
+        out = model(tokens, doc_ids=doc_ids, labels=labels, token_scale=1.0 / n,
+                    mtp_scale=0.1 / n if train_scope else 0.0, collect_indexer_stats=train_scope)
+        loss = out.loss + indexer_kl_loss(out.indexer_stats, sparse=False) if train_scope else out.loss
         loss.backward()
         for p in model.parameters():
             p.grad = None
@@ -67,8 +73,17 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
         times.append(time.perf_counter() - t)
     step_s = statistics.median(times)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    if profile:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            step()
+            sync()
+        sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=60), flush=True)
     tps = batch * seq_len / step_s
-    result = dict(flavor=flavor, seq_len=seq_len, batch=batch, mode="compiled" if compiled else "eager", ac=ac,
+    result = dict(flavor=flavor, scope=scope, seq_len=seq_len, batch=batch, mode="compiled" if compiled else "eager", ac=ac,
                   step_ms=round(step_s * 1e3, 2), tokens_per_s=round(tps, 1), peak_mem_gib=round(peak, 2),
                   warmup_s=round(warmup_s, 1), tflops=round(tps * flops_per_token(args, seq_len) / 1e12, 1))
     del model
@@ -90,6 +105,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--backend", default="inductor")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--scope", choices=["train", "reference"], default="train")
+    p.add_argument("--profile", action="store_true")
     p.add_argument("--out", default="")
     a = p.parse_args()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -97,18 +114,20 @@ def main() -> None:
     for spec in a.runs.split(","):
         mode, ac = spec.split(":")
         r = run_one(flavor=a.flavor, seq_len=a.seq_len, batch=a.batch, compiled=mode == "compiled", ac=ac,
-                    steps=a.steps, warmup=a.warmup, device=device, dtype=getattr(torch, a.dtype), backend=a.backend)
+                    steps=a.steps, warmup=a.warmup, device=device, dtype=getattr(torch, a.dtype), backend=a.backend,
+                    scope=a.scope, profile=a.profile)
         print(json.dumps(r), flush=True)
         rows.append(r)
+        if a.out:  # after every run, so a run cut off by a time limit keeps the ones before it
+            with open(a.out, "w") as f:
+                json.dump(rows, f, indent=1)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"\n{name}, torch {torch.__version__}\n")
+    print(f"scope: {a.scope}\n")
     print("| mode | AC | step ms | tokens/s | TFLOP/s | peak GiB | warm-up s |\n|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['ac']} | {r['step_ms']} | {r['tokens_per_s']:,.0f} | {r['tflops']} | "
               f"{r['peak_mem_gib']} | {r['warmup_s']} |")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

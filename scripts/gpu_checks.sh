@@ -3,26 +3,28 @@
 # with and without AC) and a short GPU training run (NCCL, BF16 mixed precision, inductor). Logs go to $OUT.
 #   OUT=./gpu_out bash scripts/gpu_checks.sh            (on the GPU machine, FLA/torchao importable)
 #   STAGES="tests" / "bench" / "train" select parts; *_TIMEOUT bound each part.
-# FLA autotunes every Triton kernel per shape on a fresh machine (minutes per shape). The Triton and inductor
-# caches are packed into $OUT/kernel_cache.tgz at the end; put that file at .gpu_cache/kernel_cache.tgz (git
-# ignores it; carry it to the device) and the next session starts warm.
+# FLA autotunes every Triton kernel per shape on a fresh machine (minutes per shape) and keeps the result in
+# the Triton cache. The caches live under .gpu_cache/live (git ignores it; a warm device machine keeps it between
+# calls) and are packed into $OUT/{triton,inductor}_cache.tgz; put those files in .gpu_cache/ and carry it to
+# start a fresh machine warm.
 set -uo pipefail
 OUT=${OUT:-./gpu_out}
 STAGES=${STAGES:-"tests bench train"}
-mkdir -p "$OUT"
+CACHE=${CACHE:-$PWD/.gpu_cache/live}
+mkdir -p "$OUT" "$CACHE/triton" "$CACHE/inductor"
 export PYTHONUNBUFFERED=1 TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/kernel_cache/triton}
-export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/kernel_cache/inductor}
-mkdir -p "$TRITON_CACHE_DIR" "$TORCHINDUCTOR_CACHE_DIR"
-[ -f .gpu_cache/kernel_cache.tgz ] && tar xzf .gpu_cache/kernel_cache.tgz -C /tmp/kernel_cache
+export TRITON_CACHE_DIR=$CACHE/triton TORCHINDUCTOR_CACHE_DIR=$CACHE/inductor
+for part in triton inductor; do
+  [ -f ".gpu_cache/${part}_cache.tgz" ] && [ -z "$(ls -A "$CACHE/$part")" ] && tar xzf ".gpu_cache/${part}_cache.tgz" -C "$CACHE/$part"
+done
 nvidia-smi -L | tee "$OUT/device.txt"
 python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__)" | tee -a "$OUT/device.txt"
 case " $STAGES " in *" tests "*)
   timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" ;;
 esac
 case " $STAGES " in *" bench "*)
-  timeout "${BENCH_TIMEOUT:-300}" python3 scripts/benchmark.py --flavor glm5_3_flash_proxy --seq-len 4096 --steps 3 \
-      --warmup 1 --runs "${BENCH_RUNS:-eager:none,compiled:none,eager:full,compiled:full}" --out "$OUT/bench.json" \
+  timeout "${BENCH_TIMEOUT:-300}" python3 scripts/benchmark.py --flavor glm5_3_flash_proxy --seq-len 4096 --steps 5 \
+      --warmup 2 --runs "${BENCH_RUNS:-eager:none,compiled:none,eager:full,compiled:full}" --out "$OUT/bench.json" \
       2>&1 | tee "$OUT/bench.log" ;;
 esac
 case " $STAGES " in *" train "*)
@@ -31,4 +33,4 @@ case " $STAGES " in *" train "*)
       --training.steps 10 --metrics.log_freq 2 --checkpoint.enable false --job.dump_folder "$OUT/train" \
       2>&1 | tee "$OUT/train.log" ;;
 esac
-tar czf "$OUT/kernel_cache.tgz" -C /tmp/kernel_cache . && ls -la "$OUT/kernel_cache.tgz"
+for part in triton inductor; do tar czf "$OUT/${part}_cache.tgz" -C "$CACHE/$part" . ; done; ls -la "$OUT"
