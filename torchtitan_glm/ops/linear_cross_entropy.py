@@ -33,9 +33,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 # d(sum_i w_i * loss_i)/d(logits) = w_i * (softmax_i - onehot_i), zero on ignored rows.
                 g = torch.exp(logits - lse.unsqueeze(-1))
                 g.scatter_add_(-1, y_safe.unsqueeze(-1), -torch.ones_like(lse).unsqueeze(-1))
-                g = g * (token_weights[s:e].float() * keep).unsqueeze(-1)
-                grad_h[s:e] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-                grad_w += g.t() @ h.float()
+                g = (g * (token_weights[s:e].float() * keep).unsqueeze(-1)).to(weight.dtype)
+                # Both GEMMs take the weight's dtype, as nn.Linear's backward would: an FP32 dW GEMM of a
+                # [vocab, chunk] x [chunk, D] product ran on SIMT cores and cost 100 ms a step on the H200 proxy.
+                # The per-chunk partial dW is summed across chunks in FP32.
+                grad_h[s:e] = (g @ weight).to(hidden.dtype)
+                grad_w += (g.t() @ h.to(weight.dtype)).float()
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         weighted = (losses * token_weights.float()).sum()
@@ -57,6 +60,7 @@ def linear_cross_entropy(
     """hidden [N, D], weight [V, D], labels [N] (-100 = ignore), token_weights [N].
 
     Returns (sum_i token_weights_i * CE_i, a differentiable scalar; per-token CE [N] FP32, 0 where ignored,
-    not differentiable). CE is computed from FP32 logits with FP32 accumulation of dW.
+    not differentiable). CE is computed from FP32 logits; the GEMMs run in the weight's dtype and the per-chunk
+    dW is accumulated in FP32.
     """
     return _LinearCrossEntropy.apply(hidden, weight, labels, token_weights, chunk_size)
