@@ -36,6 +36,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=154880)
     p.add_argument("--reps", type=int, default=10)
     a = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("scripts/bench_ce.py times CUDA kernels: no CUDA device is visible")
     dev = torch.device("cuda")
     torch.manual_seed(0)
     h = torch.randn(a.tokens, a.dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
