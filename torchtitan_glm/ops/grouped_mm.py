@@ -70,7 +70,15 @@ def _backward(ctx, dy: Tensor):
     x, w, offs = ctx.saved_tensors
     dy = dy.contiguous()
     dx = _grouped_mm(dy, w.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
-    dw = _grouped_mm_wgrad(x, dy, offs) if ctx.needs_input_grad[1] else None
+    dw = None
+    if ctx.needs_input_grad[1]:
+        if w.transpose(-2, -1).is_contiguous():
+            # w is a transposed view of a [G, M, K] parameter (the experts' nn.Linear layout): form the gradient in
+            # that layout, so it reaches AccumulateGrad contiguous instead of being copied there (one full copy of
+            # every expert weight per step otherwise).
+            dw = _grouped_mm_wgrad(dy, x, offs).transpose(-2, -1)
+        else:
+            dw = _grouped_mm_wgrad(x, dy, offs)
     return dx, dw, None
 
 
