@@ -26,10 +26,11 @@ def test_grouped_mm_matches_loop(dtype, k, m):
     assert w.grad[1].abs().max() == 0  # the empty group gets no gradient
 
 
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_transposed_weight_grad_arrives_in_parameter_layout(dtype):
-    """The MoE passes param.transpose(-2, -1): the weight gradient must reach the parameter contiguous, with the
-    same values as a per-expert loop."""
+def test_transposed_weight_grad_arrives_in_parameter_layout(dtype, backend):
+    """The MoE passes param.transpose(-2, -1): the weight gradient must reach the parameter contiguous (eager and
+    compiled), with the same values as a per-expert loop."""
     torch.manual_seed(0)
     counts = torch.tensor([4, 0, 12, 16])
     offs = counts.cumsum(0).to(torch.int32)
@@ -38,7 +39,12 @@ def test_transposed_weight_grad_arrives_in_parameter_layout(dtype):
     dy = torch.randn(x.shape[0], 16, dtype=dtype)
     seen = []
     param.register_hook(lambda g: seen.append((g.is_contiguous(), g.stride())))
-    (grouped_mm(x, param.transpose(-2, -1), offs) * dy).sum().backward()
+    def f(x, param, offs, dy):
+        return (grouped_mm(x, param.transpose(-2, -1), offs) * dy).sum()
+
+    if backend is not None:
+        f = torch.compile(f, backend=backend, fullgraph=True)
+    f(x, param, offs, dy).backward()
     assert seen == [(True, param.stride())]
     ref = torch.stack([dy[s:e].float().t() @ x[s:e].float()
                        for s, e in zip([0] + offs[:-1].tolist(), offs.tolist())])
