@@ -17,6 +17,10 @@ export TRITON_CACHE_DIR=$CACHE/triton TORCHINDUCTOR_CACHE_DIR=$CACHE/inductor
 for part in triton inductor; do
   [ -f ".gpu_cache/${part}_cache.tgz" ] && [ -z "$(ls -A "$CACHE/$part")" ] && tar xzf ".gpu_cache/${part}_cache.tgz" -C "$CACHE/$part"
 done
+# Tracked fallback: FLA's autotune results (Triton *.autotune.json, timings per config) measured on an H200 with
+# torch 2.11, triton 3.6, FLA 0.6 for the proxy and debug shapes. Triton keys them by kernel source and version,
+# so with other versions they are simply not found.
+[ -z "$(ls -A "$CACHE/triton")" ] && tar xzf scripts/gpu_cache/fla_autotune_h200.tgz -C "$CACHE/triton"
 nvidia-smi -L | tee "$OUT/device.txt"
 python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__)" | tee -a "$OUT/device.txt"
 case " $STAGES " in *" tests "*)
