@@ -51,7 +51,7 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
     def step() -> None:
         out = model(tokens, doc_ids=doc_ids, labels=labels, token_scale=1.0 / n,
                     mtp_scale=0.1 / n if train_scope else 0.0, collect_indexer_stats=train_scope)
-        loss = out.loss + indexer_kl_loss(out.indexer_stats, sparse=False) if train_scope else out.loss
+        loss = (out.loss + indexer_kl_loss(out.indexer_stats, sparse=False)) if train_scope else out.loss
         loss.backward()
         for p in model.parameters():
             p.grad = None
@@ -83,8 +83,8 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
         sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
         print(prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=60), flush=True)
     tps = batch * seq_len / step_s
-    result = dict(flavor=flavor, scope=scope, seq_len=seq_len, batch=batch, mode="compiled" if compiled else "eager", ac=ac,
-                  step_ms=round(step_s * 1e3, 2), tokens_per_s=round(tps, 1), peak_mem_gib=round(peak, 2),
+    result = dict(flavor=flavor, scope=scope, seq_len=seq_len, batch=batch, mode="compiled" if compiled else "eager",
+                  ac=ac, step_ms=round(step_s * 1e3, 2), tokens_per_s=round(tps, 1), peak_mem_gib=round(peak, 2),
                   warmup_s=round(warmup_s, 1), tflops=round(tps * flops_per_token(args, seq_len) / 1e12, 1))
     del model
     gc.collect()
