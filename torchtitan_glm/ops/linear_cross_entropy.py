@@ -31,9 +31,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             losses[s:e] = torch.where(keep, lse - target, torch.zeros_like(lse))
             if need_grad:
                 # d(sum_i w_i * loss_i)/d(logits) = w_i * (softmax_i - onehot_i), zero on ignored rows.
-                g = torch.exp(logits - lse.unsqueeze(-1))
+                # In place over the logits buffer: eager keeps one [chunk, vocab] FP32 tensor alive, not three.
+                g = logits.sub_(lse.unsqueeze(-1)).exp_()
                 g.scatter_add_(-1, y_safe.unsqueeze(-1), -torch.ones_like(lse).unsqueeze(-1))
-                g = (g * (token_weights[s:e].float() * keep).unsqueeze(-1)).to(weight.dtype)
+                g = g.mul_((token_weights[s:e].float() * keep).unsqueeze(-1)).to(weight.dtype)
                 # Both GEMMs take the weight's dtype, as nn.Linear's backward would: an FP32 dW GEMM of a
                 # [vocab, chunk] x [chunk, D] product ran on SIMT cores and cost 100 ms a step on the H200 proxy.
                 # The per-chunk partial dW is summed across chunks in FP32.
