@@ -3,8 +3,8 @@ checkpointing, on one device.
 
     python scripts/benchmark.py --flavor glm5_3_flash_proxy --seq-len 4096 --runs eager:none,compiled:none,eager:full,compiled:full
 
-Weights are BF16, no FSDP, no optimizer. `--scope train` is what the trainer runs (fused CE + MTP layer + indexer
-KL); `--scope reference` drops the MTP layer and the indexer KL, the scope of the transformers figure in
+Weights are BF16, no FSDP, no optimizer. `--scope train` is the trainer's loss (fused CE + MTP layer + indexer
+KL over all visible pools, the dense-warm-up form; the sparse stage only masks it further); `--scope reference` drops the MTP layer and the indexer KL, the scope of the transformers figure in
 shared/reference/measured_h200.md (trunk + LM head + CE). `--profile` adds one profiled step per run and prints
 its CUDA kernels by total time. Prints one JSON line per run and a markdown table.
 """
