@@ -268,17 +268,28 @@ class LossConfig(_Section):
 
 @dataclass(frozen=True)
 class ParallelismConfig(_Section):
-    """[parallelism] Device mesh.
+    """[parallelism] Device mesh (TorchTitan's keys). The degrees multiply to the world size:
+    data_parallel_replicate_degree x data_parallel_shard_degree x context_parallel_degree x tensor_parallel_degree.
 
-    data_parallel_shard_degree: FSDP2 shard degree; -1 means all remaining ranks.
+    data_parallel_replicate_degree: HSDP replicas; data_parallel_shard_degree: FSDP2 shard degree, -1 = the rest;
+    tensor_parallel_degree: heads / MLP columns split (DTensor); context_parallel_degree: sequence split (zigzag);
+    expert_parallel_degree: routed experts split; borrows its ranks from data_parallel_shard x context_parallel, so
+    it must divide their product and be a multiple of context_parallel_degree.
     """
 
     SECTION: ClassVar[str] = "parallelism"
+    data_parallel_replicate_degree: int = 1
     data_parallel_shard_degree: int = -1
+    tensor_parallel_degree: int = 1
+    context_parallel_degree: int = 1
+    expert_parallel_degree: int = 1
 
     def validate(self) -> None:
         self._require(self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
                       "data_parallel_shard_degree", "must be -1 (infer) or >= 1")
+        for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "context_parallel_degree",
+                    "expert_parallel_degree"):
+            self._require(getattr(self, key) >= 1, key, "must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,23 @@ class ShortConv(nn.Module):
         self.kernel_size = kernel_size
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor, pos_in_doc: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos_in_doc: torch.Tensor | None,
+                halo: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, C]; pos_in_doc [B, T] (None: one document per row). Under context parallelism the local T
+        holds P slots of the row that are not adjacent, and halo [B, P, W-1, C] (ops.kda_cp.conv_halo) holds the
+        W-1 tokens before each slot; pos_in_doc is then the position in the (global) document."""
         xf = x.float()
         w = self.weight.float().squeeze(1)  # [C, W]; tap W-1 multiplies x_t, tap W-1-j multiplies x_{t-j}
+        if halo is not None:
+            bsz, seqlen, ch = xf.shape
+            slots = halo.shape[1]
+            padded = torch.cat([halo.float(), xf.view(bsz, slots, seqlen // slots, ch)], dim=2)
         out = xf * w[:, -1]
         for j in range(1, self.kernel_size):
-            shifted = F.pad(xf[:, :-j], (0, 0, j, 0)) if j < xf.shape[1] else torch.zeros_like(xf)
+            if halo is not None:
+                shifted = padded[:, :, self.kernel_size - 1 - j:padded.shape[2] - j].reshape(xf.shape)
+            else:
+                shifted = F.pad(xf[:, :-j], (0, 0, j, 0)) if j < xf.shape[1] else torch.zeros_like(xf)
             if pos_in_doc is not None:
                 shifted = shifted * (pos_in_doc >= j).unsqueeze(-1).to(shifted.dtype)
             out = out + shifted * w[:, -1 - j]
