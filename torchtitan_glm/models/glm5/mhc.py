@@ -61,10 +61,13 @@ class HyperConnection(nn.Module):
 
         By default (the reference) post and comb are cast to the streams' dtype first and mixed there; with
         `fp32_mixing` (Megatron's mhc_keep_mappings_in_fp32) the mixing runs in FP32 with one final cast."""
-        dtype = torch.float32 if self.fp32_mixing else residual.dtype
-        out = post.to(dtype).unsqueeze(-1) * block_out.to(dtype).unsqueeze(-2) + torch.matmul(
-            comb.to(dtype).transpose(-1, -2), residual.to(dtype))
-        return out.to(residual.dtype)
+        if self.fp32_mixing:
+            out = post.float().unsqueeze(-1) * block_out.float().unsqueeze(-2) + torch.matmul(
+                comb.float().transpose(-1, -2), residual.float())
+            return out.to(residual.dtype)
+        dtype = residual.dtype
+        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
+            comb.to(dtype).transpose(-1, -2), residual)
 
     def init_weights(self) -> None:
         nn.init.normal_(self.fn, mean=0.0, std=0.02)
