@@ -21,7 +21,7 @@ from torch import nn
 from torchtitan_glm.config import Float8Config
 
 __all__ = ["Float8Summary", "linear_roles", "fp8_convertible", "convert_float8", "float8_linear_class",
-           "precompute_float8_scales", "configure_inductor_for_float8", "param_precisions"]
+           "precompute_float8_scales", "configure_inductor_for_float8", "param_precisions", "plain_tensors"]
 
 
 def float8_linear_class() -> type:
@@ -133,6 +133,27 @@ def precompute_float8_scales(model: nn.Module, *, cfg: Float8Config) -> None:
         precompute_float8_dynamic_scale_for_fsdp(model)
 
 
+def plain_tensors(state: object) -> object:
+    """`state` (a nested state dict) with torchao's FP8-all-gather weight wrappers replaced by the plain tensors they
+    wrap (same storage, so DCP still loads in place): checkpoints then hold ordinary tensors, which a BF16 run (and
+    torch.load's weights_only) accepts."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return {k: plain_tensors(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [plain_tensors(v) for v in state]
+    if isinstance(state, DTensor):
+        local = state._local_tensor
+        if type(local) is not torch.Tensor and hasattr(local, "_tensor"):
+            return DTensor.from_local(local._tensor, state.device_mesh, state.placements, run_check=False,
+                                      shape=state.shape, stride=state.stride())
+        return state
+    if isinstance(state, torch.Tensor) and type(state) is not torch.Tensor and hasattr(state, "_tensor"):
+        return state._tensor
+    return state
+
+
 def configure_inductor_for_float8(*, cfg: Float8Config) -> None:
     """Rowwise scaling under inductor needs emulated precision casts (pytorch#150859: NaNs otherwise)."""
     if cfg.enable and cfg.recipe != "tensorwise":
@@ -162,7 +183,9 @@ def param_precisions(model: nn.Module, *, param_dtype: str = "bfloat16") -> list
         elif owner_name in expert_names:
             role, precision = "experts", ("fp8-grouped-rowwise" if owner.fp8 else low)
         else:
-            role = "indexer" if owner_name in in_indexer else _other_role(owner)
+            role = _other_role(owner)
+            if role == "norm" and owner_name in in_indexer:
+                role = "indexer"  # the indexer's key LayerNorm
             precision = "fp32" if getattr(owner, "keep_fp32", False) else low
         rows.append({"fqn": fqn, "role": role, "precision": precision})
     return rows
