@@ -358,7 +358,9 @@ class CheckpointConfig(_Section):
     enable: save checkpoints; folder: under job.dump_folder; interval: steps between saves; keep_latest_k: delete
     older step folders (0 keeps all); async_mode: "disabled" or "async" (DCP async_save); initial_load_path: weights
     to start from when the folder holds no checkpoint; initial_load_in_hf: that path is an HF safetensors checkpoint;
-    last_save_in_hf: the final save is HF safetensors (needs enable); export_dtype: dtype of HF exports.
+    last_save_in_hf: the final save is HF safetensors (needs enable); export_dtype: dtype of HF exports;
+    export_fp8: the HF export uses the released FP8 layout (E4M3 + 128x128 block scales for what float8.keep_bf16
+    does not keep, modules_to_not_convert for the rest) for serving.
     """
 
     SECTION: ClassVar[str] = "checkpoint"
@@ -371,6 +373,7 @@ class CheckpointConfig(_Section):
     initial_load_in_hf: bool = False
     last_save_in_hf: bool = False
     export_dtype: str = "bfloat16"
+    export_fp8: bool = False
 
     def validate(self) -> None:
         self._require(bool(self.folder), "folder", "must be non-empty")
@@ -384,6 +387,8 @@ class CheckpointConfig(_Section):
         if self.last_save_in_hf and not self.enable:
             self._fail("last_save_in_hf", "is true but checkpoint.enable is false (nothing is saved)")
         self._choice("export_dtype", _DTYPES)
+        if self.export_fp8 and not self.last_save_in_hf:
+            self._fail("export_fp8", "is true but checkpoint.last_save_in_hf is false (there is no HF export)")
 
 
 @dataclass(frozen=True)

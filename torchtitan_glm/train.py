@@ -125,7 +125,9 @@ class Trainer:
     def _hf_save(self, model: torch.nn.Module, out_dir: str) -> None:
         from torchtitan_glm.models.glm5.hf_distributed import save_hf_from_sharded
 
-        save_hf_from_sharded(model, out_dir, dtype=getattr(torch, self.cfg.checkpoint.export_dtype))
+        ckpt = self.cfg.checkpoint
+        save_hf_from_sharded(model, out_dir, dtype=getattr(torch, ckpt.export_dtype), fp8=ckpt.export_fp8,
+                             keep_bf16=self.cfg.float8.keep_bf16)
 
     # ---------------------------------------------------------------------------------------------- step
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -3,7 +3,10 @@ its first loss tracks the BF16 run's, and DCP checkpoints move between BF16 and 
 
 from __future__ import annotations
 
+import json
 import shutil
+
+from torchtitan_glm.models.glm5 import from_pretrained
 
 from .test_train import SHORT, _losses, _run_ok
 
@@ -36,6 +39,12 @@ def test_checkpoints_resume_across_precisions(tmp_path):
     bf16 = _run_ok(run + [f"--job.dump_folder={b}", "--training.steps", "6"])
     l8, l16 = _losses(fp8.stdout), _losses(bf16.stdout)
     assert sorted(l8) == [5, 6] and abs(l8[5] - l16[5]) / l16[5] < 0.01, (l8, l16)
-    # FP8 checkpoint -> BF16 run.
-    back = _run_ok(run + [f"--job.dump_folder={a}", "--training.steps", "8"])
+    # FP8 checkpoint -> BF16 run, exported at the end in the FP8 serving layout.
+    back = _run_ok(run + [f"--job.dump_folder={a}", "--training.steps", "8", "--checkpoint.last_save_in_hf", "true",
+                          "--checkpoint.export_fp8", "true"])
     assert "resumed from the step-6 checkpoint" in back.stdout and sorted(_losses(back.stdout)) == [7, 8]
+    export = a / "checkpoint" / "hf-step-8"
+    quant = json.loads((export / "config.json").read_text())["quantization_config"]
+    assert "model.language_model.layers.3.self_attn.indexer" in quant["modules_to_not_convert"]
+    model = from_pretrained(export)
+    assert model.args.num_hidden_layers == 4
