@@ -7,7 +7,7 @@ ep = dp_shard_in_ep x cp borrows its ranks from the data-parallel shard and cont
   dp_shard_cp = dp_shard x cp                   FSDP2 of everything but the routed experts
   dp_cp       = dp_replicate x dp_shard x cp    gradient/loss/token-count reductions, router loads
   ep          = dp_shard_in_ep x cp             routed experts sharded, token all-to-all
-  dp_shard_mod_ep                               FSDP2 of the routed experts (ranks holding the same experts)
+  edp         = dp_replicate x dp_shard_mod_ep  ranks holding the same experts (their gradients are averaged)
 Every dim exists even at size 1, so every named mesh always resolves.
 """
 
@@ -85,8 +85,8 @@ class ParallelDims:
 
     @property
     def edp(self) -> int:
-        """FSDP degree of the routed experts: the shard x context ranks that hold the same experts."""
-        return self.fsdp // self.ep
+        """Ranks that hold the same experts: dp_replicate x (dp_shard x cp / ep)."""
+        return self.dp_replicate * self.fsdp // self.ep
 
     def describe(self) -> str:
         return (f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp} "
@@ -97,7 +97,7 @@ class ParallelDims:
         """Every named mesh, created once (so all process groups exist) and kept by name: torch deprecates slicing
         flattened dims back out of the root mesh. Keys: world, dp_replicate, dp_shard, cp, tp, dp, dp_shard_cp,
         dp_cp, fsdp (the dense FSDP2 mesh: 2-D (dp_replicate, dp_shard_cp) under HSDP) and, with ep > 1, ep and
-        efsdp (FSDP2 mesh of the routed experts)."""
+        edp (dp_replicate x dp_shard_mod_ep: the ranks that hold the same experts)."""
         if self.ep > 1:
             in_ep = self.ep // self.cp
             names = ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
@@ -120,8 +120,7 @@ class ParallelDims:
                 meshes["fsdp"] = world["dp_replicate", "dp_shard_cp"]
         if self.ep > 1:
             meshes["ep"] = world[("dp_shard_in_ep", "cp")]._flatten("ep")
-            meshes["efsdp"] = world["dp_replicate", "dp_shard_mod_ep"] if self.dp_replicate > 1 else \
-                world["dp_shard_mod_ep"]
+            meshes["edp"] = world[("dp_replicate", "dp_shard_mod_ep")]._flatten("edp")
         return meshes
 
 

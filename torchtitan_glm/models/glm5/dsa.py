@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan_glm.distributed.collectives import all_gather_autograd
 from torchtitan_glm.ops.masked_attention import masked_attention
 
 from .args import Glm5ModelArgs
@@ -220,6 +221,8 @@ class SparseMLA(nn.Module):
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=bias)
         self.kpool = args.index_kpool
         self.indexer = None if shared_indexer else KPoolIndexer(args)
+        # The tensor-parallel group this block's heads are split over (set by parallelize.py, None otherwise).
+        self.heads_group = None
 
     def forward(
         self,
@@ -232,9 +235,10 @@ class SparseMLA(nn.Module):
         """Returns (output [B, T, D], token mask [B, T, T] used, indexer stats or None)."""
         bsz, seqlen, _ = x.shape
         qr = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(qr).unflatten(-1, (self.num_heads, self.qk_dim)).transpose(1, 2)
+        # heads: all of them, or this rank's under tensor parallelism (q_b / kv_b column-parallel)
+        q = self.q_b_proj(qr).unflatten(-1, (-1, self.qk_dim)).transpose(1, 2)
         kv = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)[..., : self.kv_lora_rank])
-        kv = self.kv_b_proj(kv).unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
+        kv = self.kv_b_proj(kv).unflatten(-1, (-1, self.qk_dim + self.v_dim)).transpose(1, 2)
         k, v = kv.split([self.qk_dim, self.v_dim], dim=-1)
 
         stats = None
@@ -250,7 +254,10 @@ class SparseMLA(nn.Module):
             selected = self.indexer.select(scores.detach(), valid)
             mask = causal_doc_mask(doc) if self.dense else self.indexer.token_mask(selected, doc, pools)
             if collect_stats:
-                target = pooled_attention_target(q.detach(), k.detach(), doc, pools, valid, scale=self.scale)
+                qd, kd = q.detach(), k.detach()
+                if self.heads_group is not None:  # the target sums over all heads: gather the other TP ranks'
+                    qd, kd = (all_gather_autograd(t, dim=1, group=self.heads_group) for t in (qd, kd))
+                target = pooled_attention_target(qd, kd, doc, pools, valid, scale=self.scale)
                 stats = IndexerStats(scores.clone(), target, valid, selected)  # clone: FSDP2 warns on view outputs
         out = masked_attention(q, k, v, mask, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).flatten(-2)), mask, stats

@@ -11,7 +11,7 @@ from torch import nn
 from torchtitan_glm.ops.kda import kda as kda_op
 
 from .args import Glm5ModelArgs
-from .layers import init_linear
+from .layers import init_linear, local_param
 
 
 class ShortConv(nn.Module):
@@ -34,7 +34,7 @@ class ShortConv(nn.Module):
         holds P slots of the row that are not adjacent, and halo [B, P, W-1, C] (ops.kda_cp.conv_halo) holds the
         W-1 tokens before each slot; pos_in_doc is then the position in the (global) document."""
         xf = x.float()
-        w = self.weight.float().squeeze(1)  # [C, W]; tap W-1 multiplies x_t, tap W-1-j multiplies x_{t-j}
+        w = local_param(self.weight).float().squeeze(1)  # [C, W]; tap W-1 multiplies x_t, W-1-j x_{t-j}
         if halo is not None:
             bsz, seqlen, ch = xf.shape
             slots = halo.shape[1]
@@ -70,8 +70,8 @@ class KDADecay(nn.Module):
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         """Per-channel log decay [B, T, H, K] in FP32 from the low-rank gate output f [B, T, H*K]."""
-        g = (f.float() + self.dt_bias.float()).unflatten(-1, (self.num_heads, self.head_dim))
-        rate = torch.exp(self.A_log.float()).view(self.num_heads, 1)
+        g = (f.float() + local_param(self.dt_bias).float()).unflatten(-1, (-1, self.head_dim))
+        rate = torch.exp(local_param(self.A_log).float()).view(-1, 1)  # heads: this rank's under TP
         if self.lower_bound is not None:
             return self.lower_bound * torch.sigmoid(rate * g)
         return -rate * F.softplus(g)
@@ -99,7 +99,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * local_param(self.weight).float()
         return (y * torch.sigmoid(gate.float())).to(x.dtype)
 
     def init_weights(self) -> None:
@@ -139,7 +139,7 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
                 pos_in_doc: torch.Tensor | None = None) -> torch.Tensor:
-        heads = (self.num_heads, self.head_dim)
+        heads = (-1, self.head_dim)  # all heads, or this rank's under tensor parallelism
         q = self.q_conv1d(self.q_proj(x), pos_in_doc).unflatten(-1, heads)
         k = self.k_conv1d(self.k_proj(x), pos_in_doc).unflatten(-1, heads)
         v = self.v_conv1d(self.v_proj(x), pos_in_doc).unflatten(-1, heads)
