@@ -18,13 +18,11 @@ from torchtitan_glm.components.metrics import (
 from torchtitan_glm.components.optimizer import build_optimizer, clip_grad_norm_
 from torchtitan_glm.components.tokenizer import build_tokenizer
 from torchtitan_glm.config import JobConfig, load_config, main_guard
-from torchtitan_glm.distributed.parallel_dims import ParallelDims
+from torchtitan_glm.distributed.parallel_dims import ParallelDims, validate_model_layout, world_size_from_env
 from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8, precompute_float8_scales
 from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs
 from torchtitan_glm.models.glm5.model import mtp_targets
-from torchtitan_glm.models.glm5.parallelize import (
-    allreduce_replicated_grads, broadcast_replicated_params, parallelize_glm5,
-)
+from torchtitan_glm.models.glm5.parallelize import parallelize_glm5
 
 # Models up to this size are initialised whole on every rank before sharding, which makes the initial weights
 # independent of the world size; larger ones are built on meta and initialised shard by shard.
@@ -68,13 +66,18 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
+        # Layout errors are config errors (exit 2) raised before any process group starts.
+        dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size_from_env())
+        self.args = build_model_args(cfg)
+        validate_model_layout(dims, self.args, seq_len=cfg.training.seq_len)
         self.rank, self.world, self.device = init_distributed()
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
-        dims = ParallelDims.from_config(dp_shard=cfg.parallelism.data_parallel_shard_degree, world_size=self.world)
-        self.dp_size = dims.dp_shard
-        self.mesh = dims.build_mesh(self.device.type)
-        self.args = build_model_args(cfg)
+        self.dims = dims
+        self.meshes = dims.build_mesh(self.device.type)
+        # gradients are averaged over the ranks that see different tokens; batches are dealt over dp
+        self.dp_size = dims.dp_cp
+        self.dp_group = self.meshes["dp_cp"].get_group()
 
         torch.manual_seed(cfg.job.seed)
         with torch.device("meta"):
@@ -91,14 +94,14 @@ class Trainer:
             for name, p in model.named_parameters():
                 p.requires_grad_(p.requires_grad and ".indexer." in name)
         self.replicated = parallelize_glm5(
-            model, mesh=self.mesh, param_dtype=cfg.training.mixed_precision_param,
+            model, meshes=self.meshes, param_dtype=cfg.training.mixed_precision_param,
             reduce_dtype=cfg.training.mixed_precision_reduce, ac_mode=cfg.activation_checkpoint.mode,
             compile_enable=cfg.compile.enable, compile_backend=cfg.compile.backend, compile_mode=cfg.compile.mode,
             compile_components=cfg.compile.components)
         if not small:
             model.to_empty(device=self.device)
             model.init_weights()
-        broadcast_replicated_params(self.replicated)
+        self.replicated.broadcast()
         self.model = model
 
         self.optimizer = build_optimizer(model=model, cfg=cfg.optimizer)
@@ -110,7 +113,8 @@ class Trainer:
                              f"({self.args.vocab_size})")
         self.dataloader = build_dataloader(
             cfg=cfg.data, tokenizer=self.tokenizer, seq_len=cfg.training.seq_len,
-            local_batch_size=cfg.training.local_batch_size, dp_rank=self.rank, dp_world_size=self.dp_size,
+            local_batch_size=cfg.training.local_batch_size, dp_rank=self.meshes["dp"].get_local_rank(),
+            dp_world_size=dims.dp,
             seed=cfg.job.seed)
         self.checkpointer = CheckpointManager(
             cfg=cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=model, optimizer=self.optimizer,
@@ -135,7 +139,7 @@ class Trainer:
         tokens = batch["input_ids"].to(self.device)
         labels = batch["labels"].to(self.device)
         doc_ids = batch["doc_ids"].to(self.device)
-        count, mtp_count = losses.global_token_counts(labels, mtp_targets(labels))
+        count, mtp_count = losses.global_token_counts(labels, mtp_targets(labels), group=self.dp_group)
         scale = losses.token_scale(count, dp_size=self.dp_size)
         use_mtp = self.model.mtp is not None
         mtp_scale = cfg.mtp_weight * losses.token_scale(mtp_count, dp_size=self.dp_size) if use_mtp else 0.0
@@ -153,7 +157,7 @@ class Trainer:
         if cfg.seq_aux_loss_coeff > 0 and out.moe_stats:
             total = total + cfg.seq_aux_loss_coeff * losses.sequence_aux_loss(out.moe_stats)
         total.backward()
-        allreduce_replicated_grads(self.replicated)
+        self.replicated.allreduce_grads()
         grad_norm = clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
                                     self.cfg.training.max_norm)
         self.optimizer.step()
@@ -163,11 +167,11 @@ class Trainer:
         imbalance = None
         if out.moe_stats:
             imbalance = losses.update_router_bias(self.model, [s.counts for s in out.moe_stats],
-                                                  rate=cfg.router_bias_update_rate)
+                                                  rate=cfg.router_bias_update_rate, group=self.dp_group)
         sums = torch.stack([out.ce.sum(), out.mtp_ce.sum() if out.mtp_ce is not None else out.ce.new_zeros(()),
                             kl.detach() if kl is not None else out.ce.new_zeros(())])
         if dist.is_initialized():
-            dist.all_reduce(sums)
+            dist.all_reduce(sums, group=self.dp_group)
         metrics = {"loss": float(sums[0] / count), "grad_norm": float(grad_norm),
                    "lr": self.lr_scheduler.get_last_lr()[0], "tokens": int(count)}
         if use_mtp:
@@ -187,7 +191,7 @@ class Trainer:
                   f"{cfg.training.steps}", flush=True)
         losses_seen: list[float] = []
         steps_total = cfg.training.steps
-        tokens_per_step = cfg.training.seq_len * cfg.training.local_batch_size * self.dp_size
+        tokens_per_step = cfg.training.seq_len * cfg.training.local_batch_size * self.dims.dp
         window_start, window_tokens = time.perf_counter(), 0
         run_start = time.perf_counter()
         self.model.train()
@@ -199,7 +203,7 @@ class Trainer:
             window_tokens += tokens_per_step
             if self.step % cfg.metrics.log_freq == 0 or self.step == steps_total:
                 elapsed = time.perf_counter() - window_start
-                tps, tflops, mfu = throughput(tokens=window_tokens // self.dp_size, seconds=elapsed,
+                tps, tflops, mfu = throughput(tokens=window_tokens // self.world, seconds=elapsed,
                                               flops_per_token=self.flops_per_token, peak_flops=self.peak_flops)
                 mem = self.memory.get_peak_stats()
                 done = self.step - (restored or 0)
