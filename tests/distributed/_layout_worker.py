@@ -4,7 +4,9 @@ same steps on one process (computed on every rank, no communication), on one exp
 Per step it compares the loss (CE + MTP, token-weighted over the global batch, plus the indexer KL), the gradient
 norm, every parameter's full gradient, and after the update every parameter; at the end the router biases (updated from
 the global expert loads). fp32 throughout: tolerances are fp32 round-off.
-usage: _layout_worker.py DP_SHARD TP EP [DP_REPLICATE] [compile]  (compile: blocks compiled fullgraph, aot_eager)
+usage: _layout_worker.py DP_SHARD TP EP [DP_REPLICATE] [compile] [fp8]
+  compile: blocks compiled fullgraph (aot_eager); fp8: both models converted by float8.py (tensorwise, the MLPs and
+  shared experts in FP8, the routed experts in emulated FP8 rowwise), compared with FP8-sized tolerances.
 """
 
 import copy
@@ -22,7 +24,7 @@ from torchtitan_glm.models.glm5 import Glm5Model, get_flavor
 from torchtitan_glm.models.glm5.model import mtp_targets
 from torchtitan_glm.models.glm5.parallelize import parallelize_glm5
 
-STEPS, ROWS, T = 3, 4, 32
+STEPS, ROWS, T = 2, 4, 32
 RATE = 1e-2  # router-bias update rate, large enough to change routing between steps
 
 
@@ -49,8 +51,12 @@ def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+SCALE = [1.0]  # tolerance multiplier (FP8 runs)
+
+
 def check(name, got, want, tol=2e-5, floor=1e-8):
-    """max |got - want| <= tol * max(max |want|, floor)."""
+    """max |got - want| <= tol * max(max |want|, floor) (tol times SCALE, capped at 3e-2)."""
+    tol = min(tol * SCALE[0], 3e-2) if SCALE[0] != 1.0 else tol
     err = (got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(floor)
     assert torch.isfinite(got).all() and err <= tol, f"{name}: rel err {err:.2e} ({got.flatten()[:4]} vs {want.flatten()[:4]})"
 
@@ -58,7 +64,8 @@ def check(name, got, want, tol=2e-5, floor=1e-8):
 def main() -> None:
     shard, tp, ep = (int(a) for a in sys.argv[1:4])
     rep = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4].isdigit() else 1
-    compile_enable = "compile" in sys.argv
+    compile_enable, fp8 = "compile" in sys.argv, "fp8" in sys.argv
+    SCALE[0] = 1e4 if fp8 else 1.0  # FP8 rounding of nearly equal inputs may differ by one E4M3 step (6%) in places
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     cfg = ParallelismConfig(data_parallel_replicate_degree=rep, data_parallel_shard_degree=shard,
@@ -72,6 +79,12 @@ def main() -> None:
 
     torch.manual_seed(0)
     ref = Glm5Model(args)
+    if fp8:
+        from torchtitan_glm.config import Float8Config
+        from torchtitan_glm.float8 import convert_float8
+
+        summary = convert_float8(ref, cfg=Float8Config(enable=True, recipe="tensorwise"))
+        assert summary.converted_linears > 0 and summary.grouped_expert_weights > 0, summary.line()
     model = copy.deepcopy(ref)
     replicated = parallelize_glm5(model, meshes=meshes, param_dtype="float32", reduce_dtype="float32",
                                   ac_mode="none", compile_enable=compile_enable, compile_backend="aot_eager")

@@ -10,23 +10,23 @@ from torchtitan_glm.distributed.parallel_dims import ParallelDims
 from torchtitan_glm.models.glm5 import Glm5Model, get_flavor
 from torchtitan_glm.models.glm5.kda import KDADecay
 from torchtitan_glm.models.glm5.mhc import HyperConnection
-from torchtitan_glm.models.glm5.parallelize import (
-    allreduce_replicated_grads, broadcast_replicated_params, parallelize_glm5,
-)
+from torchtitan_glm.config import ParallelismConfig
+from torchtitan_glm.models.glm5.parallelize import parallelize_glm5
 
 
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = ParallelDims.from_config(dp_shard=-1, world_size=world).build_mesh("cpu")
+    meshes = ParallelDims.from_config(ParallelismConfig(), world_size=world).build_mesh("cpu")
     torch.manual_seed(0)
     model = Glm5Model(get_flavor("debug"))
-    replicated = parallelize_glm5(model, mesh=mesh, param_dtype="bfloat16", reduce_dtype="float32", ac_mode="none",
+    sync = parallelize_glm5(model, meshes=meshes, param_dtype="bfloat16", reduce_dtype="float32", ac_mode="none",
                                   compile_enable=False)
+    replicated = sync.params
     with torch.no_grad():  # pretend the ranks initialised the replicated parameters differently
         for p in replicated:
             p.add_(rank)
-    broadcast_replicated_params(replicated)
+    sync.broadcast()
     seen: dict[str, torch.dtype] = {}
     layer = model.layers["0"]
 
@@ -47,7 +47,7 @@ def main() -> None:
         out = model(tokens, labels=labels, token_scale=1.0 / labels.numel(), mtp_scale=0.1 / labels.numel(),
                     collect_indexer_stats=True)
         (out.loss + indexer_kl_loss(out.indexer_stats, sparse=False)).backward()
-        allreduce_replicated_grads(replicated)
+        sync.allreduce_grads()
         opt.step()
         opt_rep.step()
         opt.zero_grad()
