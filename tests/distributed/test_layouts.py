@@ -62,3 +62,11 @@ def test_bad_layouts_exit_2_naming_the_key(world, override, key):
                          env=dict(ENV, WORLD_SIZE=world, RANK="0"))
     assert res.returncode == 2, res.stderr[-2000:]
     assert key in res.stderr and "Traceback" not in res.stderr
+
+
+def test_float8_tensor_parallel_styles():
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                          f"--master-port={_free_port()}", str(Path(__file__).with_name("_float8_tp_worker.py"))],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-6000:]
+    assert "rank 0 OK" in res.stdout and "rank 1 OK" in res.stdout
