@@ -14,6 +14,10 @@ then moved into this package; not checked on a 2.11 install, the import also tri
 import fails the same indices come from `_fallback_*` below, and the tests assert both agree. torch 2.13's
 per-document balancer is document-major (see torch_per_document_is_rank_major), so there the fallback is used.
 
+Versions: torch 2.13 (CI) checked here; torch 2.11 (GPU) not checked. FLA: fla-core 0.6.0's `fla.ops.cp`
+(`build_cp_context(..., layout="zigzag")`, `chunk_kda_fwd/bwd(cp_context=...)`), imported lazily by ops/kda_cp.py
+on CUDA only; `tests/unit/test_cp_layout.py` checks our local cu_seqlens against FLA's where FLA imports (triton).
+
 Index convention (torch's): `indices` [R, T] (R = 1 or B) is rank-major: positions [r*T/cp, (r+1)*T/cp) are the
 global token positions rank r holds, in its local order; `x_zigzag = x.gather(1, indices)`, and `restore` (its
 argsort) undoes it.
