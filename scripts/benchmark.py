@@ -24,11 +24,14 @@ from torchtitan_glm.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_glm.compile import apply_compile
 from torchtitan_glm.components.loss import indexer_kl_loss
 from torchtitan_glm.components.metrics import flops_per_token
+from torchtitan_glm.config import Float8Config
+from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8
 from torchtitan_glm.models.glm5 import Glm5Model, get_flavor
 
 
 def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, steps: int, warmup: int,
-            device: torch.device, dtype: torch.dtype, backend: str, scope: str, profile: bool) -> dict:
+            device: torch.device, dtype: torch.dtype, backend: str, scope: str, profile: bool,
+            float8: str | None = None) -> dict:
     args = get_flavor(flavor)
     train_scope = scope == "train"
     if not train_scope:
@@ -39,6 +42,9 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
     model.to_empty(device=device)
     model.init_weights()
     model.to(dtype)
+    f8 = Float8Config(enable=float8 is not None, recipe=float8 or "tensorwise")
+    convert_float8(model, cfg=f8)  # the serving split, exactly as the trainer converts
+    configure_inductor_for_float8(cfg=f8)
     apply_activation_checkpointing(model, mode=ac)
     if compiled:
         apply_compile(model, backend=backend, components=["model", "loss"])
@@ -84,7 +90,7 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
         print(prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=60), flush=True)
     tps = batch * seq_len / step_s
     result = dict(flavor=flavor, scope=scope, seq_len=seq_len, batch=batch, mode="compiled" if compiled else "eager",
-                  ac=ac, step_ms=round(step_s * 1e3, 2), tokens_per_s=round(tps, 1), peak_mem_gib=round(peak, 2),
+                  ac=ac, float8=float8 or "off", step_ms=round(step_s * 1e3, 2), tokens_per_s=round(tps, 1), peak_mem_gib=round(peak, 2),
                   warmup_s=round(warmup_s, 1), tflops=round(tps * flops_per_token(args, seq_len) / 1e12, 1))
     del model
     gc.collect()
@@ -100,7 +106,9 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--runs", default="eager:none,compiled:none,eager:full,compiled:full",
-                   help="comma-separated mode:ac pairs, mode in {eager, compiled}, ac in {none, full, selective}")
+                   help="comma-separated mode:ac[:fp8] specs, mode in {eager, compiled}, ac in {none, full, selective}; "
+                        "a third field fp8 runs the FP8 serving split ([float8] defaults, --float8-recipe)")
+    p.add_argument("--float8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--backend", default="inductor")
@@ -112,10 +120,10 @@ def main() -> None:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     rows = []
     for spec in a.runs.split(","):
-        mode, ac = spec.split(":")
+        mode, ac, *fp8 = spec.split(":")
         r = run_one(flavor=a.flavor, seq_len=a.seq_len, batch=a.batch, compiled=mode == "compiled", ac=ac,
                     steps=a.steps, warmup=a.warmup, device=device, dtype=getattr(torch, a.dtype), backend=a.backend,
-                    scope=a.scope, profile=a.profile)
+                    scope=a.scope, profile=a.profile, float8=a.float8_recipe if fp8 == ["fp8"] else None)
         print(json.dumps(r), flush=True)
         rows.append(r)
         if a.out:  # after every run, so a run cut off by a time limit keeps the ones before it
@@ -124,9 +132,9 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"\n{name}, torch {torch.__version__}\n")
     print(f"scope: {a.scope}\n")
-    print("| mode | AC | step ms | tokens/s | TFLOP/s | peak GiB | warm-up s |\n|---|---|---|---|---|---|---|")
+    print("| mode | AC | float8 | step ms | tokens/s | TFLOP/s | peak GiB | warm-up s |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['ac']} | {r['step_ms']} | {r['tokens_per_s']:,.0f} | {r['tflops']} | "
+        print(f"| {r['mode']} | {r['ac']} | {r['float8']} | {r['step_ms']} | {r['tokens_per_s']:,.0f} | {r['tflops']} | "
               f"{r['peak_mem_gib']} | {r['warmup_s']} |")
 
 

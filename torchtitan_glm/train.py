@@ -29,7 +29,8 @@ from torchtitan_glm.components.signals import StopRequest
 from torchtitan_glm.components.tokenizer import build_tokenizer, check_vocab_fits
 from torchtitan_glm.config import JobConfig, load_config, main_guard
 from torchtitan_glm.distributed.parallel_dims import ParallelDims
-from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs, get_flavor
+from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8, precompute_float8_scales
+from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs
 from torchtitan_glm.models.glm5.model import mtp_targets
 from torchtitan_glm.models.glm5.parallelize import (
     allreduce_replicated_grads, broadcast_replicated_params, parallelize_glm5,
@@ -44,13 +45,11 @@ _DOCS_IN_MESSAGE = 5  # documents named in a non-finite error line (all of them 
 
 
 def build_model_args(cfg: JobConfig) -> Glm5ModelArgs:
-    """From model.hf_config, else the HF checkpoint being loaded, else the named flavor."""
-    if cfg.model.hf_config:
-        args = Glm5ModelArgs.from_hf_config(cfg.model.hf_config)
-    elif cfg.checkpoint.initial_load_in_hf and cfg.checkpoint.initial_load_path:
-        args = Glm5ModelArgs.from_hf_config(cfg.checkpoint.initial_load_path)
+    """From model.hf_config, else the HF checkpoint being loaded, else the named flavor; then the [model] overrides."""
+    if not cfg.model.hf_config and cfg.checkpoint.initial_load_in_hf and cfg.checkpoint.initial_load_path:
+        args = Glm5ModelArgs.from_hf_config(cfg.checkpoint.initial_load_path, **cfg.model.args)
     else:
-        args = get_flavor(cfg.model.flavor)
+        args = cfg.model.model_args()
     stage = "dense" if cfg.loss.indexer_stage == "dense_warmup" else "sparse"
     if cfg.loss.mtp_weight == 0:
         args = args.replace(num_nextn_predict_layers=0)
@@ -123,13 +122,17 @@ class Trainer:
         torch.manual_seed(cfg.job.seed)
         with torch.device("meta"):
             model = Glm5Model(self.args)
+        self.float8 = convert_float8(model, cfg=cfg.float8)
+        if self.rank == 0:
+            print(self.float8.line(), flush=True)
+        configure_inductor_for_float8(cfg=cfg.float8)
         small = sum(p.numel() for p in model.parameters()) <= _MATERIALIZE_INIT_MAX_PARAMS
         if small:
             model.to_empty(device=self.device)
             model.init_weights()
         if cfg.loss.indexer_stage == "dense_warmup":
             for name, p in model.named_parameters():
-                p.requires_grad_(".indexer." in name)
+                p.requires_grad_(p.requires_grad and ".indexer." in name)
         self.replicated = parallelize_glm5(
             model, mesh=self.mesh, param_dtype=cfg.training.mixed_precision_param,
             reduce_dtype=cfg.training.mixed_precision_reduce, ac_mode=cfg.activation_checkpoint.mode,
@@ -160,7 +163,9 @@ class Trainer:
     def _hf_save(self, model: torch.nn.Module, out_dir: str) -> None:
         from torchtitan_glm.models.glm5.hf_distributed import save_hf_from_sharded
 
-        save_hf_from_sharded(model, out_dir, dtype=getattr(torch, self.cfg.checkpoint.export_dtype))
+        ckpt = self.cfg.checkpoint
+        save_hf_from_sharded(model, out_dir, dtype=getattr(torch, ckpt.export_dtype), fp8=ckpt.export_fp8,
+                             keep_bf16=self.cfg.float8.keep_bf16)
 
     # ---------------------------------------------------------------------------------------------- step
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -209,6 +214,7 @@ class Trainer:
                      if k in metrics and not math.isfinite(metrics[k])]
         if not nonfinite:
             self.optimizer.step()
+            precompute_float8_scales(self.model, cfg=self.cfg.float8)
         self.lr_scheduler.step()  # the schedule follows the step count, skipped steps included
         self.optimizer.zero_grad(set_to_none=True)
         if out.moe_stats and not nonfinite:
