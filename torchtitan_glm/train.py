@@ -318,8 +318,8 @@ class Trainer:
             return step
         note = schedule_note(saved, self.run_info, step) if saved is not None else None
         ck.load(step)
-        self._resume_state = (f"resuming from step {step} ({path}), training to step {cfg.training.steps}; to start "
-                              "fresh instead, use a new --job.dump_folder")
+        self._resume_state = (f"resumed from the step-{step} checkpoint {path}, training to step "
+                              f"{cfg.training.steps}; to start fresh instead, use a new --job.dump_folder")
         if self.rank == 0:
             logger.info(self._resume_state)
             if note:

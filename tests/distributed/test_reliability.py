@@ -203,7 +203,8 @@ def test_signal_saves_the_step_reached_and_the_resumed_run_is_exact(tmp_path, re
 
     code, out, err, _ = _run(SHORT + ["--metrics.save_tb_folder=tb_resumed"], dump, timeout=240)
     assert code == 0, err[-3000:]
-    assert f"resuming from step {reached} ({dump / 'checkpoint'}/step-{reached}), training to step 20" in out
+    ckpt = dump / "checkpoint" / f"step-{reached}"
+    assert f"resumed from the step-{reached} checkpoint {ckpt}, training to step 20" in out
     assert sorted(_losses(out)) == list(range(reached + 1, 21))
     full, resumed = _tb_losses(full_dir / "tb"), _tb_losses(dump / "tb_resumed")
     for step in range(reached + 1, 21):
@@ -241,7 +242,7 @@ def test_resume_explains_itself(tmp_path, reference_run, case):
         assert out.count("skipping checkpoint") == 1
         assert (f"skipping checkpoint {root}/step-20 (is corrupt: {distcp.name} does not match its checksum); "
                 "resuming from step-10, the newest checkpoint that verifies") in out
-        assert f"resuming from step 10 ({root}/step-10), training to step 22" in out
+        assert f"resumed from the step-10 checkpoint {root}/step-10, training to step 22" in out
         assert re.search(r"the LR schedule changed since the checkpoint \(training\.steps 20 -> 22\): step 11 runs at "
                          r"lr \S+ where the saved schedule gives \S+", out), out[-3000:]
         # The step-10 state was loaded exactly: step 11's loss (computed before its update) is the reference's.

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention for an interrupted command
-_FIRST_FAILURE_KEY = "torchtitan_glm/first_failed_rank"
+_FIRST_FAILURE_KEY = "torchtitan_glm/first_failed_rank"  # + the torchelastic restart count: one per attempt
 # A rank that fails because another one did waits this long before exiting (unless the launcher's SIGTERM ends it
 # first), so torchrun's summary, which orders failures by their second of exit, names the rank that failed first.
 _FOLLOWER_EXIT_DELAY_S = 2.0
@@ -81,7 +81,8 @@ def _claim_first_failure(rank: int) -> int | None:
     try:
         store = dist.distributed_c10d._get_default_store()  # the rendezvous store every rank already talks to
         store.set_timeout(timedelta(seconds=5))
-        return int(store.compare_set(_FIRST_FAILURE_KEY, "", str(rank)))
+        key = f"{_FIRST_FAILURE_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        return int(store.compare_set(key, "", str(rank)))
     except Exception:  # noqa: BLE001 - a dead store must not hide the error being reported
         return None
 

@@ -67,7 +67,9 @@ def precision_line(training: Any) -> str:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    """This rank's shard of a DTensor, unwrapped from torchao's FP8 all-gather wrapper."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local._tensor if type(local) is not torch.Tensor and hasattr(local, "_tensor") else local
 
 
 def memory_per_rank(model: nn.Module, *, optimizer_states_per_param: int = 2) -> dict[str, int]:
