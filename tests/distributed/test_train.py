@@ -30,7 +30,8 @@ def _command(args: list[str], *, nproc: int = 2, script: Path = ROOT / "train.py
     """The torchrun command line of `script args` on nproc CPU ranks, and its environment (plus `env`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}",
            str(script), *args]
-    return cmd, dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return cmd, dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", OMP_NUM_THREADS="1", PYTHONPATH=path,
                      **(env or {}))
 
 

@@ -154,7 +154,7 @@ def run_job(fn: Callable[[], Any]) -> None:
         if report.first and report.text:
             print(report.text, file=sys.stderr, flush=True)
         elif report.rank == 0:
-            logger.info("stopping: rank %s failed (its error is reported above)", report.first_rank)
+            logger.info("stopping because rank %s failed (that rank reports the error)", report.first_rank)
         _abort_process_group()
         if not report.first:
             time.sleep(_FOLLOWER_EXIT_DELAY_S)
