@@ -43,7 +43,8 @@ def test_torchao_fp8_grouped_mm_matches_emulation():
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_moe_block_compiles_under_inductor(recipe):
     args = get_flavor("glm5_3_flash_proxy").replace(num_hidden_layers=2, layer_types=["linear_attention"] * 2,
-                                                    mlp_layer_types=["sparse", "sparse"], num_nextn_predict_layers=0,
+                                                    mlp_layer_types=["sparse", "sparse"], indexer_types=None,
+                                                    num_nextn_predict_layers=0,
                                                     n_routed_experts=8)
     torch.manual_seed(0)
     with torch.device("cuda"):
