@@ -137,6 +137,9 @@ class ModelConfig(_Section):
         self._choice("flavor", sorted(FLAVORS))
         if self.hf_config:
             self._path_exists("hf_config", self.hf_config)
+            problem = hf_model_type_problem(self.hf_config)
+            if problem:
+                self._fail("hf_config", problem)
         try:
             self.model_args()
         except ModelArgsError as e:

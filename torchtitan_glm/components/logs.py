@@ -59,11 +59,17 @@ def format_bytes(n: float) -> str:
 _SHORT_DTYPE = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 
 
-def precision_line(training: Any) -> str:
-    """How parameters are computed and gradients reduced (the [training] mixed-precision keys)."""
+def precision_line(training: Any, float8: Any = None) -> str:
+    """How parameters are computed and gradients reduced (the [training] mixed-precision keys), and the FP8 split
+    ([float8]: recipe, routed experts, roles kept BF16) when it is on."""
     param = _SHORT_DTYPE.get(training.mixed_precision_param, training.mixed_precision_param)
     reduce = _SHORT_DTYPE.get(training.mixed_precision_reduce, training.mixed_precision_reduce)
-    return f"{param} params, {reduce} reduce"
+    line = f"{param} params, {reduce} reduce"
+    if float8 is not None and float8.enable:
+        experts = "FP8 grouped experts" if float8.moe_experts else "BF16 experts"
+        line += (f"; FP8 {float8.recipe} Linears, {experts}, kept BF16: {', '.join(float8.keep_bf16) or 'nothing'}"
+                 f"{', FP8 all-gather' if float8.fsdp_float8_all_gather else ''}")
+    return line
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -116,7 +122,7 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
         ("model", _model_line(cfg, args)),
         ("parameters", f"{format_count(counts.total)} total, {format_count(counts.active)} active per token"),
         ("layout", f"{world} rank(s), {backend} on {device.type}: FSDP2 data_parallel_shard={dp_size}"),
-        ("precision", precision_line(cfg.training)),
+        ("precision", precision_line(cfg.training, cfg.float8)),
         ("memory/rank", f"params {format_bytes(mem['params'])}, grads {format_bytes(mem['grads'])}, optimizer "
                         f"{format_bytes(mem['optimizer'])} (sharded state; activations not included)"),
         ("tokens/step", f"{tokens:,} (seq_len {cfg.training.seq_len} x local_batch_size "
