@@ -126,6 +126,21 @@ def test_pooled_attention_target_and_kl_match_direct_computation():
     assert logits.grad[~valid].abs().max() == 0 and logits.grad.abs().max() > 0
 
 
+def test_indexer_kl_is_nan_when_attention_is_nan():
+    """NaN attention upstream (e.g. a diverged run) must show as a NaN KL, not as 0 (it used to log 0)."""
+    torch.manual_seed(0)
+    b, t, p = 1, 6, 3
+    valid = torch.ones(b, t, p, dtype=torch.bool)
+    target = torch.softmax(torch.randn(b, t, p), -1)
+    logits = torch.randn(b, t, p)
+    finite = indexer_kl_loss([IndexerStats(logits, target, valid, valid)], sparse=False)
+    assert torch.isfinite(finite) and finite > 0
+    for bad_target, bad_logits in ((torch.full_like(target, float("nan")), logits),
+                                   (target, torch.full_like(logits, float("nan")))):
+        kl = indexer_kl_loss([IndexerStats(bad_logits, bad_target, valid, valid)], sparse=False)
+        assert torch.isnan(kl), kl
+
+
 def test_router_bias_moves_toward_balance():
     torch.manual_seed(0)
     args = get_flavor("debug")

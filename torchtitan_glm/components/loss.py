@@ -39,7 +39,8 @@ def indexer_kl_loss(stats: list[IndexerStats], *, sparse: bool) -> torch.Tensor:
         target = s.target * support
         target = target / target.sum(-1, keepdim=True).clamp_min(1e-20)
         logq = torch.log_softmax(s.logits.float().masked_fill(~support, float("-inf")), dim=-1)
-        terms = torch.where(target > 0, target * (torch.log(target.clamp_min(1e-30)) - logq), torch.zeros_like(target))
+        # `target != 0` rather than `> 0`: a NaN target (NaN attention upstream) must make the KL NaN, not 0.
+        terms = torch.where(target != 0, target * (torch.log(target.clamp_min(1e-30)) - logq), torch.zeros_like(target))
         rows = support.any(-1)
         kl = terms.sum(-1)[rows].sum() / rows.sum().clamp_min(1)
         total = kl if total is None else total + kl
