@@ -95,18 +95,24 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
+    """The parallel layout checked against WORLD_SIZE (torchrun sets it before Python starts) and the model args:
+    ConfigErrors naming the keys, raised before any process group starts (main() runs it first: exit 2)."""
+    dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size_from_env())
+    args = build_model_args(cfg)
+    validate_model_layout(dims, args, seq_len=cfg.training.seq_len)
+    if dims.cp > 1:  # ops/kda_cp.py and distributed/cp_layout.py exist; the model and data do not use them yet
+        raise ConfigError("parallelism.context_parallel_degree",
+                          f"{dims.cp}: context parallelism is not wired into the model and data loader yet; use 1")
+    return dims, args
+
+
 class Trainer:
     """Owns everything a run needs; `train()` runs the loop from the restored step to training.steps."""
 
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
-        # Layout errors are config errors (exit 2) raised before any process group starts.
-        dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size_from_env())
-        self.args = build_model_args(cfg)
-        validate_model_layout(dims, self.args, seq_len=cfg.training.seq_len)
-        if dims.cp > 1:  # ops/kda_cp.py and distributed/cp_layout.py exist; the model and data do not use them yet
-            raise ConfigError("parallelism.context_parallel_degree",
-                              f"{dims.cp}: context parallelism is not wired into the model and data loader yet; use 1")
+        dims, self.args = check_layout(cfg)
         self.rank, self.world, self.device = init_distributed()
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -423,5 +429,6 @@ def _run(cfg: JobConfig) -> None:
 @main_guard
 def main(argv: list[str] | None = None) -> None:
     cfg = load_config(argv)  # ConfigError -> exit 2 before any process group starts
+    check_layout(cfg)  # the same for the parallel layout against the world size and the model
     init_logging(rank=int(os.environ.get("RANK", 0)))
     run_job(lambda: _run(cfg))  # an error on any rank: reported once, every rank exits within seconds
