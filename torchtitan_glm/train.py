@@ -86,7 +86,7 @@ class Trainer:
             model.init_weights()
         if cfg.loss.indexer_stage == "dense_warmup":
             for name, p in model.named_parameters():
-                p.requires_grad_(".indexer." in name)
+                p.requires_grad_(p.requires_grad and ".indexer." in name)
         self.replicated = parallelize_glm5(
             model, mesh=self.mesh, param_dtype=cfg.training.mixed_precision_param,
             reduce_dtype=cfg.training.mixed_precision_reduce, ac_mode=cfg.activation_checkpoint.mode,

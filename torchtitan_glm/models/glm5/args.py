@@ -16,8 +16,17 @@ _MLP_TYPES = {"dense", "sparse"}
 _INDEXER_TYPES = {"full", "shared"}
 
 
+# Glm5ModelArgs fields that are trainer-side choices, never written to or read from config.json.
+TRAINER_FIELDS = ("hc_head", "dsa_attention", "indexer_fp8_emulation", "mhc_fp32_mixing", "kpool_fp32_accumulate",
+                  "indexer_weights_fp32", "indexer_k_norm_fp32", "kpool_ape_trainable")
+
+
 class ModelArgsError(ValueError):
-    """An invalid or unsupported model configuration; the message names the key."""
+    """An invalid or unsupported model configuration; the message names the key (also in `.key`)."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass
@@ -82,9 +91,18 @@ class Glm5ModelArgs:
     router_aux_loss_coef: float = 0.001
     # MTP
     num_nextn_predict_layers: int = 1
-    # Trainer-side choices that are not in config.json.
+    # Trainer-side choices that are not in config.json (TRAINER_FIELDS). The precision controls follow the
+    # Megatron-LM GLM-5.3 PR (NVIDIA/Megatron-LM#7522); each defaults to what the transformers reference computes.
     hc_head: str = "mean"  # "mean" (GLM-5.3-Flash) or "learned" (DeepSeek-V4 style hc_head_* contraction)
     dsa_attention: str = "sparse"  # "sparse" (top-k) or "dense" (dense causal; indexer warm-up stage)
+    # Serving's FP8 indexer inputs: Hadamard-rotate the indexer query and the pooled keys, E4M3 with power-of-two
+    # row scales, dequantise (straight-through gradient), so training's top-k sees what serving's does.
+    indexer_fp8_emulation: bool = False
+    mhc_fp32_mixing: bool = False  # mHC residual mixing (post/comb applied to the streams) in FP32, one final cast
+    kpool_fp32_accumulate: bool = False  # KPool weighted sum in FP32, one rounding of the pooled key
+    indexer_weights_fp32: bool = False  # indexer head-weight projection (weights_proj) computed in FP32
+    indexer_k_norm_fp32: bool = False  # indexer key LayerNorm computed in FP32 (FP32 weight and bias)
+    kpool_ape_trainable: bool = True  # KPool APE receives gradients (the PR freezes it)
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -120,7 +138,7 @@ class Glm5ModelArgs:
         n = self.num_hidden_layers
 
         def fail(key: str, msg: str) -> None:
-            raise ModelArgsError(f"model arg `{key}`: {msg}")
+            raise ModelArgsError(f"model arg `{key}`: {msg}", key=key)
 
         for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "linear_num_heads",
                     "linear_head_dim", "index_n_heads", "index_head_dim", "hc_mult", "hc_sinkhorn_iters"):
@@ -170,6 +188,9 @@ class Glm5ModelArgs:
             fail("n_group", "group-limited routing needs at least 2 experts per group")
         if self.linear_lower_bound is not None and not self.linear_lower_bound < 0:
             fail("linear_lower_bound", f"must be negative (a decay bound), got {self.linear_lower_bound}")
+        if self.indexer_fp8_emulation and self.index_head_dim & (self.index_head_dim - 1):
+            fail("indexer_fp8_emulation", f"the Hadamard rotation needs a power-of-two index_head_dim, got "
+                 f"{self.index_head_dim}")
         if self.hc_head not in ("mean", "learned"):
             fail("hc_head", f"must be 'mean' or 'learned', got {self.hc_head!r}")
         if self.dsa_attention not in ("sparse", "dense"):
@@ -220,7 +241,7 @@ class Glm5ModelArgs:
     def to_hf_config(self) -> dict[str, Any]:
         """The flat text config.json dict that `from_hf_config` reads back (model_type glm5_next_text)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for k in ("hc_head", "dsa_attention"):
+        for k in TRAINER_FIELDS:
             out.pop(k)
         out["head_dim"] = self.qk_rope_head_dim
         out["model_type"] = "glm5_next_text"

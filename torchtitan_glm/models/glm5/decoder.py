@@ -22,7 +22,7 @@ class DecoderLayer(nn.Module):
         self.is_dsa = args.layer_types[layer_idx] == DSA
         self.is_moe = args.mlp_layer_types[layer_idx] == "sparse"
         hc = dict(hidden_size=args.hidden_size, hc_mult=args.hc_mult, sinkhorn_iters=args.hc_sinkhorn_iters,
-                  hc_eps=args.hc_eps, norm_eps=args.rms_norm_eps)
+                  hc_eps=args.hc_eps, norm_eps=args.rms_norm_eps, fp32_mixing=args.mhc_fp32_mixing)
         self.attn_hc = HyperConnection(**hc)
         self.ffn_hc = HyperConnection(**hc)
         self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -53,7 +53,7 @@ class DecoderLayer(nn.Module):
             h, mask, stats = self.self_attn(h, doc=doc, shared_mask=shared_mask, collect_stats=collect_stats)
         else:
             h = self.self_attn(h, doc_ids=doc_ids, pos_in_doc=None if doc_ids is None else doc.pos)
-        streams = HyperConnection.merge(streams, h, post, comb)
+        streams = self.attn_hc.merge(streams, h, post, comb)
 
         post, comb, h = self.ffn_hc(streams)
         h = self.post_attention_layernorm(h)
@@ -62,7 +62,7 @@ class DecoderLayer(nn.Module):
             h, moe_stats = self.mlp(h, seq_aux=seq_aux)
         else:
             h = self.mlp(h)
-        streams = HyperConnection.merge(streams, h, post, comb)
+        streams = self.ffn_hc.merge(streams, h, post, comb)
         return streams, mask, stats, moe_stats
 
     def init_weights(self) -> None:

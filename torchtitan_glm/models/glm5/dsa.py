@@ -16,6 +16,7 @@ from torch import nn
 from torchtitan_glm.ops.masked_attention import masked_attention
 
 from .args import Glm5ModelArgs
+from .indexer_fp8 import fp8_serving_input
 from .layers import RMSNorm, init_linear
 
 
@@ -76,12 +77,23 @@ class KPoolAPE(nn.Module):
     keep_fp32 = True
     no_weight_decay = True
 
-    def __init__(self, kpool: int, head_dim: int) -> None:
+    def __init__(self, kpool: int, head_dim: int, *, trainable: bool = True) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(kpool, head_dim, dtype=torch.float32))
+        self.weight = nn.Parameter(torch.empty(kpool, head_dim, dtype=torch.float32), requires_grad=trainable)
 
     def init_weights(self) -> None:
         nn.init.zeros_(self.weight)
+
+
+class FP32LayerNorm(nn.LayerNorm):
+    """LayerNorm with FP32-kept weight and bias, computed in FP32, one rounding of the output (indexer_k_norm_fp32)."""
+
+    keep_fp32 = True
+    no_weight_decay = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(),
+                            self.eps).to(x.dtype)
 
 
 class KPoolIndexer(nn.Module):
@@ -98,28 +110,50 @@ class KPoolIndexer(nn.Module):
         self.select_pools = args.index_topk // args.index_kpool
         self.always_select_tail = args.index_kpool_always_select_tail
         self.init_std = args.initializer_range
+        self.fp8_emulation = args.indexer_fp8_emulation
+        self.fp32_accumulate = args.kpool_fp32_accumulate
+        self.weights_fp32 = args.indexer_weights_fp32
+        self.k_norm_fp32 = args.indexer_k_norm_fp32
         self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.hidden_size, self.head_dim, bias=False)
-        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.k_norm = (FP32LayerNorm if self.k_norm_fp32 else nn.LayerNorm)(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
         self.index_kpool_compress_gate = nn.Parameter(torch.empty(self.head_dim, args.hidden_size))
-        self.kpool_ape = KPoolAPE(self.kpool, self.head_dim)
+        self.kpool_ape = KPoolAPE(self.kpool, self.head_dim, trainable=args.kpool_ape_trainable)
+        # Linears read through their weight, never called: a float8 conversion would not reach them.
+        self.weight_only_linears = {"weights_proj"} if self.weights_fp32 else set()
 
-    def scores(self, x: torch.Tensor, qr: torch.Tensor, pools: PoolLayout) -> torch.Tensor:
-        """Index scores [B, T, P]: sum_h w_h * relu(q_h . pooled_k * d^-1/2), FP32."""
+    def pooled_keys(self, x: torch.Tensor, pools: PoolLayout) -> torch.Tensor:
+        """[B, P, D] pooled keys: per-dimension softmax over each pool's kpool slots (gate + APE, FP32) weighting the
+        normalised keys; summed in the keys' dtype (the reference) or in FP32 with one rounding (kpool_fp32_accumulate)."""
         bsz = x.shape[0]
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         k = self.k_norm(self.wk(x))
         gate = F.linear(x, self.index_kpool_compress_gate)
         idx = (pools.start.unsqueeze(-1) + torch.arange(self.kpool, device=x.device)).clamp(max=x.shape[1] - 1)
         rows = torch.arange(bsz, device=x.device).view(bsz, 1, 1)
-        slot_logits = gate[rows, idx].float() + self.kpool_ape.weight.float()
-        probs = slot_logits.softmax(dim=2).to(k.dtype)
-        pooled = (probs * k[rows, idx]).sum(dim=2)  # [B, P, D]
+        probs = (gate[rows, idx].float() + self.kpool_ape.weight.float()).softmax(dim=2)
+        if self.fp32_accumulate:
+            return (probs * k[rows, idx].float()).sum(dim=2).to(k.dtype)
+        return (probs.to(k.dtype) * k[rows, idx]).sum(dim=2)
+
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, H] FP32 head weights w_h * H^-1/2 (the projection in FP32 with indexer_weights_fp32)."""
+        if self.weights_fp32:
+            w = F.linear(x.float(), self.weights_proj.weight.float())
+        else:
+            w = self.weights_proj(x).float()
+        return w * self.n_heads**-0.5
+
+    def scores(self, x: torch.Tensor, qr: torch.Tensor, pools: PoolLayout) -> torch.Tensor:
+        """Index scores [B, T, P]: sum_h w_h * relu(q_h . pooled_k * d^-1/2), FP32. With indexer_fp8_emulation the
+        query and the pooled keys first take serving's FP8 path (rotation after pooling, as serving does)."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        pooled = self.pooled_keys(x, pools)
+        if self.fp8_emulation:
+            q, pooled = fp8_serving_input(q), fp8_serving_input(pooled)
         s = torch.matmul(q.float(), pooled.transpose(-1, -2).float().unsqueeze(1))  # [B, T, H, P]
         s = F.relu(s * self.head_dim**-0.5)
-        w = self.weights_proj(x).float() * self.n_heads**-0.5
-        return torch.matmul(w.unsqueeze(-2), s).squeeze(-2)
+        return torch.matmul(self.head_weights(x).unsqueeze(-2), s).squeeze(-2)
 
     def visible_pools(self, doc: DocLayout, pools: PoolLayout) -> torch.Tensor:
         """[B, T, P]: pool is complete, in the query's document and its last token is not in the future."""

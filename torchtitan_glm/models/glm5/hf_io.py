@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .args import Glm5ModelArgs
+from .args import TRAINER_FIELDS, Glm5ModelArgs
 from .model import Glm5Model
 from .state_dict_adapter import (
     LM_HEAD,
@@ -241,7 +241,7 @@ def _export_config(model: Glm5Model, origin: HfOrigin | None, dtype: torch.dtype
         cfg.pop("quantization_config", None)
         if isinstance(cfg.get("text_config"), dict):
             cfg["text_config"].pop("quantization_config", None)
-        reread = Glm5ModelArgs.from_hf_config(cfg, hc_head=args.hc_head, dsa_attention=args.dsa_attention)
+        reread = Glm5ModelArgs.from_hf_config(cfg, **{k: getattr(args, k) for k in TRAINER_FIELDS})
         if reread != args:
             logger.info("model args differ from the loaded config.json; updating its text keys")
             (cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg).update(text)

@@ -29,9 +29,11 @@ class HyperConnection(nn.Module):
 
     keep_fp32 = True
 
-    def __init__(self, *, hidden_size: int, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> None:
+    def __init__(self, *, hidden_size: int, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                 fp32_mixing: bool = False) -> None:
         super().__init__()
         self.hc_mult = hc_mult
+        self.fp32_mixing = fp32_mixing
         self.sinkhorn_iters = sinkhorn_iters
         self.hc_eps = hc_eps
         self.norm_eps = norm_eps
@@ -54,13 +56,18 @@ class HyperConnection(nn.Module):
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
         return post, comb, collapsed
 
-    @staticmethod
-    def merge(residual: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """New streams: out_i = post_i * y + sum_j comb[j, i] * x_j (comb applied transposed)."""
+    def merge(self, residual: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """New streams: out_i = post_i * y + sum_j comb[j, i] * x_j (comb applied transposed).
+
+        By default (the reference) post and comb are cast to the streams' dtype first and mixed there; with
+        `fp32_mixing` (Megatron's mhc_keep_mappings_in_fp32) the mixing runs in FP32 with one final cast."""
+        if self.fp32_mixing:
+            out = post.float().unsqueeze(-1) * block_out.float().unsqueeze(-2) + torch.matmul(
+                comb.float().transpose(-1, -2), residual.float())
+            return out.to(residual.dtype)
         dtype = residual.dtype
         return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
-            comb.to(dtype).transpose(-1, -2), residual
-        )
+            comb.to(dtype).transpose(-1, -2), residual)
 
     def init_weights(self) -> None:
         nn.init.normal_(self.fn, mean=0.0, std=0.02)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan_glm.ops.grouped_mm import grouped_mm
+from torchtitan_glm.ops.grouped_mm import FP8_GROUP_ALIGN, grouped_mm, pad_groups
 
 from .args import Glm5ModelArgs
 from .layers import DenseMLP, swiglu
@@ -58,7 +58,10 @@ class Router(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stored as stacked [E, out, in] weights (HF splits them per expert on export)."""
+    """E SwiGLU experts stored as stacked [E, out, in] weights (HF splits them per expert on export).
+
+    `fp8` (set by float8.py's conversion, never by hand) runs the three grouped GEMMs in FP8 rowwise, with every
+    expert's token group padded to a multiple of 16 rows as the FP8 grouped GEMM requires."""
 
     linear_roles = {"gate_proj": "experts", "up_proj": "experts", "down_proj": "experts"}
 
@@ -67,15 +70,22 @@ class GroupedExperts(nn.Module):
         e, d, i = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
         self.swiglu_limit = args.swiglu_limit
         self.init_std = args.initializer_range
+        self.fp8 = False
         self.gate_proj = nn.Parameter(torch.empty(e, i, d))
         self.up_proj = nn.Parameter(torch.empty(e, i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
 
-    def forward(self, x_sorted: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """Rows of x_sorted grouped by expert (offs = cumulative counts, int32) -> expert outputs, same order."""
-        gate = grouped_mm(x_sorted, self.gate_proj.transpose(-2, -1), offs)
-        up = grouped_mm(x_sorted, self.up_proj.transpose(-2, -1), offs)
-        return grouped_mm(swiglu(gate, up, self.swiglu_limit), self.down_proj.transpose(-2, -1), offs)
+    def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows of x_sorted grouped by expert (counts [E] rows per expert) -> expert outputs, same order."""
+        if not self.fp8:
+            return self._swiglu(x_sorted, counts.cumsum(0).to(torch.int32))
+        padded, offs, index = pad_groups(x_sorted, counts, align=FP8_GROUP_ALIGN)
+        return self._swiglu(padded, offs)[index]
+
+    def _swiglu(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        gate = grouped_mm(x, self.gate_proj.transpose(-2, -1), offs, fp8=self.fp8)
+        up = grouped_mm(x, self.up_proj.transpose(-2, -1), offs, fp8=self.fp8)
+        return grouped_mm(swiglu(gate, up, self.swiglu_limit), self.down_proj.transpose(-2, -1), offs, fp8=self.fp8)
 
     def init_weights(self) -> None:
         for w in (self.gate_proj, self.up_proj, self.down_proj):
@@ -103,8 +113,7 @@ class MoE(nn.Module):
         token = order // self.top_k
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, experts, torch.ones_like(experts))  # static shape (bincount is data-dependent under compile)
-        offs = counts.cumsum(0).to(torch.int32)
-        routed = self.experts(flat[token], offs)
+        routed = self.experts(flat[token], counts)
         routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
         out = torch.zeros_like(flat).index_add(0, token, routed.to(flat.dtype))
         out = out.view(shape) + self.shared_experts(x)
