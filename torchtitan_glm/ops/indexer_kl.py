@@ -70,7 +70,7 @@ def indexer_kl_sparse_tiled(
     gi = _flat_indices(indices)
     kl_sum, rows = torch.zeros((), dtype=ct, device=q.device), torch.zeros((), dtype=ct, device=q.device)
     dq, dw, dpk = (torch.zeros_like(qf), torch.zeros_like(wf), torch.zeros_like(pkf)) if need_grad else (None,) * 3
-    for s in range(0, n_all, tile):
+    for s in range(0, n_all if k else 0, tile):  # k = 0 (fewer than kpool tokens): no pool, no counted query
         e = min(s + tile, n_all)
         sel = gp[s:e]
         support = sel >= 0

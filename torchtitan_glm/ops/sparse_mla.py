@@ -54,10 +54,10 @@ def sparse_mla_reference(q: Tensor, kv: Tensor, indices: Tensor, *, scale: float
     k = indices.shape[-1]
     ct = _compute_dtype(q)
     qf, kvf, gi = q.reshape(bsz * seqlen, heads, dim), kv.reshape(bsz * seqlen, dim), _flat_indices(indices)
-    out = q.new_empty(bsz * seqlen, heads, dim)
-    lse = torch.empty(bsz * seqlen, heads, dtype=ct, device=q.device)
+    out = q.new_zeros(bsz * seqlen, heads, dim)
+    lse = torch.full((bsz * seqlen, heads), float("-inf"), dtype=ct, device=q.device)
     rows = _tile_rows(k, dim, heads)
-    for s in range(0, bsz * seqlen, rows):
+    for s in range(0, bsz * seqlen if k else 0, rows):  # K = 0: every query is empty
         e = min(s + rows, bsz * seqlen)
         idx = gi[s:e]
         valid = idx >= 0
@@ -83,10 +83,10 @@ def sparse_mla_reference_bwd(
     n_all = bsz * seqlen
     qf, kvf, gi = q.reshape(n_all, heads, dim), kv.reshape(n_all, dim), _flat_indices(indices)
     dof, of, lsef = dout.reshape(n_all, heads, dim), out.reshape(n_all, heads, dim), lse.reshape(n_all, heads)
-    dq = torch.empty(n_all, heads, dim, dtype=ct, device=q.device)
+    dq = torch.zeros(n_all, heads, dim, dtype=ct, device=q.device)
     dkv = torch.zeros(n_all, dim, dtype=ct, device=q.device)
     rows = _tile_rows(k, dim, heads)
-    for s in range(0, n_all, rows):
+    for s in range(0, n_all if k else 0, rows):
         e = min(s + rows, n_all)
         idx = gi[s:e]
         kvg = kvf[idx.clamp(min=0)].to(ct)
