@@ -25,13 +25,13 @@ import torch.nn.functional as F
 H, QK, V, R = 64, 256, 256, 512
 
 
-def causal_selection(seqlen: int, k: int) -> torch.Tensor:
+def causal_selection(seqlen: int, k: int, device: str) -> torch.Tensor:
     """[1, T, K] int32: k distinct random tokens <= t per query (all of them when t < k), -1 padding."""
-    out = torch.empty(1, seqlen, k, dtype=torch.int32, device="cuda")
+    out = torch.empty(1, seqlen, k, dtype=torch.int32, device=device)
     for s in range(0, seqlen, 1024):
-        t = torch.arange(s, min(s + 1024, seqlen), device="cuda")
-        r = torch.rand(t.numel(), seqlen, device="cuda").masked_fill(
-            torch.arange(seqlen, device="cuda")[None, :] > t[:, None], -1.0)
+        t = torch.arange(s, min(s + 1024, seqlen), device=device)
+        r = torch.rand(t.numel(), max(seqlen, k), device=device).masked_fill(
+            torch.arange(max(seqlen, k), device=device)[None, :] > t[:, None], -1.0)
         top = r.topk(k, dim=-1)
         out[0, s:s + t.numel()] = torch.where(top.values >= 0, top.indices, -1).int()
     return out
@@ -52,17 +52,14 @@ def time_ms(fn, *, steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def attention_variants(seqlen: int, k: int) -> dict:
+def attention_variants(seqlen: int, k: int, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
     from torchtitan_glm.ops.sparse_mla import sparse_mla
 
-    dt = torch.bfloat16
-    idx = causal_selection(seqlen, k)
-    q_lat = torch.randn(1, seqlen, H, R, device="cuda", dtype=dt, requires_grad=True)
-    latent = torch.randn(1, seqlen, R, device="cuda", dtype=dt, requires_grad=True)
-    q = torch.randn(1, H, seqlen, QK, device="cuda", dtype=dt, requires_grad=True)
-    kk = torch.randn(1, H, seqlen, QK, device="cuda", dtype=dt, requires_grad=True)
-    v = torch.randn(1, H, seqlen, V, device="cuda", dtype=dt, requires_grad=True)
-    mask = torch.zeros(1, seqlen, seqlen + 1, dtype=torch.bool, device="cuda")
+    idx = causal_selection(seqlen, k, device)
+    kw = dict(device=device, dtype=dtype, requires_grad=True)
+    q_lat, latent = torch.randn(1, seqlen, H, R, **kw), torch.randn(1, seqlen, R, **kw)
+    q, kk, v = (torch.randn(1, H, seqlen, d, **kw) for d in (QK, QK, V))
+    mask = torch.zeros(1, seqlen, seqlen + 1, dtype=torch.bool, device=device)
     mask.scatter_(-1, torch.where(idx >= 0, idx.long(), seqlen), True)
     mask = mask[:, None, :, :seqlen]
     scale = QK**-0.5
@@ -83,22 +80,23 @@ def attention_variants(seqlen: int, k: int) -> dict:
             "dense SDPA, causal": dense_causal}
 
 
-def layer_variants(seqlen: int) -> dict:
+def layer_variants(seqlen: int, device: str = "cuda", flavor: str = "glm5_3_flash_proxy",
+                   dtype: torch.dtype = torch.bfloat16) -> dict:
     from torchtitan_glm.models.glm5 import get_flavor
     from torchtitan_glm.models.glm5.dsa import DocLayout, SparseMLA
     from torchtitan_glm.models.glm5.seqinfo import doc_positions
 
-    args = get_flavor("glm5_3_flash_proxy")
-    doc = DocLayout(*doc_positions(None, 1, seqlen, torch.device("cuda")))
-    x = torch.randn(1, seqlen, args.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    args = get_flavor(flavor).replace(indexer_tile_elements=1 << 28)
+    doc = DocLayout(*doc_positions(None, 1, seqlen, torch.device(device)))
+    x = torch.randn(1, seqlen, args.hidden_size, device=device, dtype=dtype, requires_grad=True)
     out = {}
     for name, stage, kl in (("SparseMLA block, sparse + sparse KL", "sparse", "sparse"),
                             ("SparseMLA block, sparse, no KL", "sparse", None),
                             ("SparseMLA block, dense warm-up + dense KL", "dense", "dense")):
-        with torch.device("cuda"):
+        with torch.device(device):
             block = SparseMLA(args.replace(dsa_attention=stage))
             block.init_weights()
-        block.to(torch.bfloat16)
+        block.to(dtype)
 
         def step(block=block, kl=kl):
             o, _, stats = block(x, doc=doc, indexer_kl=kl)
@@ -134,18 +132,19 @@ def main() -> None:
                 ms = time_ms(fn, steps=a.steps, warmup=a.warmup)
             except torch.OutOfMemoryError:
                 ms = float("nan")
-            row = dict(seq_len=seqlen, variant=name, fwd_bwd_ms=round(ms, 2),
+            row = dict(seq_len=seqlen, variant=name, family="block" if name.startswith("SparseMLA") else "attention",
+                       fwd_bwd_ms=round(ms, 2),
                        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
             print(json.dumps(row), flush=True)
             rows.append(row)
         del variants
         torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, K = {a.k}\n")
-    print("| T | variant | fwd+bwd ms | peak GiB | sparse op speed-up |\n|---|---|---|---|---|")
-    for r in rows:
-        sparse = next(x for x in rows if x["seq_len"] == r["seq_len"] and x["variant"].startswith("sparse op"))
+    print("| T | variant | fwd+bwd ms | peak GiB | time / sparse time |\n|---|---|---|---|---|")
+    for r in rows:  # against the first (sparse) variant of the same family and T
+        base = next(x for x in rows if x["seq_len"] == r["seq_len"] and x["family"] == r["family"])
         print(f"| {r['seq_len']:,} | {r['variant']} | {r['fwd_bwd_ms']} | {r['peak_gib']} | "
-              f"{r['fwd_bwd_ms'] / sparse['fwd_bwd_ms']:.2f}x |")
+              f"{r['fwd_bwd_ms'] / base['fwd_bwd_ms']:.2f}x |")
 
 
 if __name__ == "__main__":

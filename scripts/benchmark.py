@@ -43,8 +43,8 @@ def auto_ac(seq_len: int) -> str:
 
 def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, steps: int, warmup: int,
             device: torch.device, dtype: torch.dtype, backend: str, scope: str, profile: bool, indexer_kl: str,
-            docs: int) -> dict:
-    args = get_flavor(flavor)
+            docs: int, tile_elements: int) -> dict:
+    args = get_flavor(flavor).replace(indexer_tile_elements=tile_elements)
     train_scope = scope == "train"
     if not train_scope:
         args = dataclasses.replace(args, num_nextn_predict_layers=0)
@@ -125,6 +125,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--scope", choices=["train", "reference"], default="train")
     p.add_argument("--indexer-kl", choices=["sparse", "dense"], default="sparse")
+    p.add_argument("--indexer-tile-elements", type=int, default=0,
+                   help="loss.indexer_tile_elements (default: 2^28 on CUDA, 2^26 on CPU)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--out", default="")
     a = p.parse_args()
@@ -134,6 +136,7 @@ def main() -> None:
               file=sys.stderr)
         sys.exit(2)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    tile_elements = a.indexer_tile_elements or (1 << 28 if device.type == "cuda" else 1 << 26)
     rows = []
     for seq_len in seq_lens:
         for spec in a.runs.split(","):
@@ -142,7 +145,8 @@ def main() -> None:
             try:
                 r = run_one(flavor=a.flavor, seq_len=seq_len, batch=a.batch, compiled=mode == "compiled", ac=ac,
                             steps=a.steps, warmup=a.warmup, device=device, dtype=getattr(torch, a.dtype),
-                            backend=a.backend, scope=a.scope, profile=a.profile, indexer_kl=a.indexer_kl, docs=a.docs)
+                            backend=a.backend, scope=a.scope, profile=a.profile, indexer_kl=a.indexer_kl, docs=a.docs,
+                            tile_elements=tile_elements)
             except torch.cuda.OutOfMemoryError as e:
                 r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=ac, oom=str(e).split(".")[0])
             if "oom" in r:  # outside the handler: its traceback no longer holds the model
@@ -156,7 +160,7 @@ def main() -> None:
                     json.dump(rows, f, indent=1)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"\n{name}, torch {torch.__version__}\n")
-    kl = f", indexer KL {a.indexer_kl}" if a.scope == "train" else ""
+    kl = f", indexer KL {a.indexer_kl}, indexer tiles of {tile_elements} elements" if a.scope == "train" else ""
     print(f"scope: {a.scope}{kl}, {a.docs} document(s) per row\n")
     print("| T | mode | AC | step ms | tokens/s | TFLOP/s | peak GiB | warm-up s |\n|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -41,7 +41,7 @@ def build_model_args(cfg: JobConfig) -> Glm5ModelArgs:
     stage = "dense" if cfg.loss.indexer_stage == "dense_warmup" else "sparse"
     if cfg.loss.mtp_weight == 0:
         args = args.replace(num_nextn_predict_layers=0)
-    return args.replace(dsa_attention=stage)
+    return args.replace(dsa_attention=stage, indexer_tile_elements=cfg.loss.indexer_tile_elements)
 
 
 def init_distributed() -> tuple[int, int, torch.device]:

@@ -41,7 +41,7 @@ def test_benchmark_sweeps_lengths_with_auto_ac_and_both_kl_forms(tmp_path):
         proc = _run("scripts/benchmark.py", "--flavor", "debug", "--seq-len", "32,64", "--steps", "1", "--warmup", "0",
                     "--runs", "eager:auto", "--docs", "2", "--indexer-kl", kl, "--out", str(out))
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert f"indexer KL {kl}, 2 document(s) per row" in proc.stdout
+        assert f"indexer KL {kl}, indexer tiles of {1 << 26} elements, 2 document(s) per row" in proc.stdout
         rows += json.loads(out.read_text())
     assert [(r["seq_len"], r["ac"], r["indexer_kl"]) for r in rows] == [
         (32, "selective", "sparse"), (64, "selective", "sparse"), (32, "selective", "dense"), (64, "selective", "dense")]
@@ -53,3 +53,22 @@ def test_gpu_benchmarks_say_they_need_cuda():
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
     proc = _run("scripts/bench_dsa.py")
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+
+
+def test_bench_dsa_variants_run_on_cpu():
+    """bench_dsa.py's timed closures, run once each on CPU at a small T (the script itself refuses CPU)."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench_dsa", REPO / "scripts" / "bench_dsa.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    idx = bench.causal_selection(40, 19, "cpu")
+    t = torch.arange(40).view(1, 40, 1)
+    assert ((idx <= t) | (idx == -1)).all() and (idx[0, 30] >= 0).all() and (idx[0, 5] >= 0).sum() == 6
+    variants = {**bench.attention_variants(40, 19, device="cpu", dtype=torch.float32),
+                **bench.layer_variants(32, device="cpu", flavor="debug", dtype=torch.float32)}
+    assert len(variants) == 6
+    for fn in variants.values():
+        fn()

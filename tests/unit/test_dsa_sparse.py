@@ -61,8 +61,7 @@ def _attn(seed: int = 0, **overrides) -> SparseMLA:
 def test_no_quadratic_tensor_at_moderate_length(monkeypatch, kl):
     seqlen = 2048
     monkeypatch.setattr(sparse_mla_module, "_TILE_ELEMENTS", 1 << 16)
-    attn = _attn()
-    attn.tile_elements = 1 << 16
+    attn = _attn(indexer_tile_elements=1 << 16)
     x = torch.randn(1, seqlen, 64, requires_grad=True)
     with LargestTensor() as rec:
         out, indices, stats = attn(x, doc=_doc(seqlen), indexer_kl=kl)

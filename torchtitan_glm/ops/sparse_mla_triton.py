@@ -91,13 +91,13 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV,
+    Q, KV, IDX, OUT, DO, LSE, DQ, DKV,
     T, H, scale, scale_log2e,
     sq_b, sq_t, sq_h, skv_b, skv_t, si_b, si_t, sl_b, sl_t,
     K: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # q, do, dq share q's strides; lse, delta share theirs; dkv shares kv's.
+    # q, out, do, dq share q's strides; dkv shares kv's.
     pid = tl.program_id(0)
     b = (pid // T).to(tl.int64)
     t = (pid % T).to(tl.int64)
@@ -107,10 +107,10 @@ def _bwd_kernel(
     qo = b * sq_b + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :]
     q = tl.load(Q + qo, mask=mh[:, None] & md[None, :], other=0.0)
     do = tl.load(DO + qo, mask=mh[:, None] & md[None, :], other=0.0)
-    lo = b * sl_b + t * sl_t + offs_h
-    lse = tl.load(LSE + lo, mask=mh, other=float("-inf"))
+    o = tl.load(OUT + qo, mask=mh[:, None] & md[None, :], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # rowsum(dO * O) per head
+    lse = tl.load(LSE + b * sl_b + t * sl_t + offs_h, mask=mh, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # empty rows: p = 0
-    delta = tl.load(DELTA + lo, mask=mh, other=0.0)
     dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     idx_row = IDX + b * si_b + t * si_t
     kv_row = KV + b * skv_b
@@ -168,12 +168,11 @@ def sparse_mla_bwd_triton(dout: Tensor, q: Tensor, kv: Tensor, indices: Tensor, 
     bsz, seqlen, heads, dim = q.shape
     k = indices.shape[-1]
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
-    dout = dout.contiguous()
+    dout, out = dout.contiguous(), out.contiguous()
     lse = lse.float().contiguous()
-    delta = (dout.float() * out.float()).sum(-1)  # [B, T, H]
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    args = (q, kv, indices, dout, lse, delta, dq, dkv, seqlen, heads, scale, scale * _LOG2E,
+    args = (q, kv, indices, out, dout, lse, dq, dkv, seqlen, heads, scale, scale * _LOG2E,
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
             lse.stride(0), lse.stride(1))
     meta = dict(K=k, D=dim, BLOCK_D=triton.next_power_of_2(dim), PRECISION=_precision(q))

@@ -112,7 +112,7 @@ class FP32LayerNorm(nn.LayerNorm):
 
 
 class KPoolIndexer(nn.Module):
-    """Lightning indexer over kpool-pooled keys; returns the per-query token mask of the sparse attention."""
+    """Lightning indexer over kpool-pooled keys; selects the sparse attention's [B, T, K] token indices."""
 
     # Serving runs the indexer in BF16: its projections keep role "indexer" (never FP8).
     linear_roles = {"wq_b": "indexer", "wk": "indexer", "weights_proj": "indexer"}
@@ -214,8 +214,6 @@ class SparseMLA(nn.Module):
     # The absorbed form reads kv_b_proj through its weight (W_UK, W_UV), never calls it on the sparse path: a
     # float8 conversion would not reach it.
     weight_only_linears = {"kv_b_proj"}
-    # Elements one working tensor of the tiled indexer ops may hold (256 MiB in FP32); instances may lower it.
-    tile_elements = 1 << 26
 
     def __init__(self, args: Glm5ModelArgs, *, shared_indexer: bool = False) -> None:
         super().__init__()
@@ -234,6 +232,7 @@ class SparseMLA(nn.Module):
         self.kv_b_proj = nn.Linear(args.kv_lora_rank, h * (args.qk_nope_head_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=bias)
         self.kpool = args.index_kpool
+        self.tile_elements = args.indexer_tile_elements  # working-set bound of the tiled indexer ops
         self.indexer = None if shared_indexer else KPoolIndexer(args)
 
     def forward(
@@ -262,7 +261,7 @@ class SparseMLA(nn.Module):
         if self.indexer is None:
             if shared_indices is None and not self.dense:
                 raise ValueError("a 'shared' DSA layer needs the previous layer's selection")
-        else:
+        elif not self.dense or indexer_kl is not None:
             pools = pool_layout(doc, self.kpool)
             with torch.set_grad_enabled(indexer_kl is not None and torch.is_grad_enabled()):
                 inp = self.indexer.inputs(x.detach(), qr.detach(), pools)
