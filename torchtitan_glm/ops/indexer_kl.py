@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .indexer_topk import index_scores, visible
+from .indexer_topk import index_scores, query_tiles, visible
 from .sparse_mla import _flat_indices
 
 __all__ = ["indexer_kl_dense", "indexer_kl_sparse"]
@@ -110,29 +110,24 @@ def indexer_kl_dense_tiled(
     kl_sum, rows = torch.zeros((), dtype=ct, device=q.device), torch.zeros((), dtype=ct, device=q.device)
     dq, dw, dpk = (torch.zeros_like(qc), torch.zeros_like(wc), torch.zeros_like(pkc)) if need_grad else (None,) * 3
     slot_tokens = pool_start.unsqueeze(-1) + torch.arange(kpool, device=q.device)  # [B, P, kpool]
-    for b in range(bsz):
-        for t0 in range(0, seqlen, tile):
-            t1 = min(t0 + tile, seqlen)
-            width = min(num_slots, t1 // kpool)
-            if width == 0:
-                continue
-            scores, r = index_scores(qc[b, t0:t1], wc[b, t0:t1], pkc[b, :width])
-            support = visible(pool_last[b, :width], pool_key[b, :width], doc_key[b, t0:t1], t0)
-            with torch.no_grad():
-                t = torch.arange(t0, t1, device=q.device)
-                allowed = (torch.arange(t1, device=q.device)[None, :] <= t[:, None]) & (
-                    doc_key[b, None, :t1] == doc_key[b, t0:t1, None])
-                logits = torch.matmul(aq[b, t0:t1], akv[b, :t1].t()) * scale  # [n, H, t1]
-                probs = logits.masked_fill(~allowed[:, None], float("-inf")).softmax(-1).sum(1)  # [n, t1]
-                tokens = slot_tokens[b, :width].clamp(max=t1 - 1).flatten()  # slots ending past t1 are not visible
-                mass = probs[:, tokens].view(-1, width, kpool).sum(-1) * support
-            kl, n_rows, dscores = _kl_tile(scores, support, mass, need_grad)
-            kl_sum, rows = kl_sum + kl, rows + n_rows
-            if need_grad:
-                ds, dw_t = _score_grads(wc[b, t0:t1], r, dscores, dim_i)
-                dq[b, t0:t1] = torch.matmul(ds, pkc[b, :width])
-                dw[b, t0:t1] = dw_t
-                dpk[b, :width] += torch.matmul(ds.flatten(0, 1).t(), qc[b, t0:t1].flatten(0, 1))
+    for b, t0, t1, width in query_tiles(bsz, seqlen, num_slots, tile=tile, kpool=kpool):
+        scores, r = index_scores(qc[b, t0:t1], wc[b, t0:t1], pkc[b, :width])
+        support = visible(pool_last[b, :width], pool_key[b, :width], doc_key[b, t0:t1], t0)
+        with torch.no_grad():
+            t = torch.arange(t0, t1, device=q.device)
+            allowed = (torch.arange(t1, device=q.device)[None, :] <= t[:, None]) & (
+                doc_key[b, None, :t1] == doc_key[b, t0:t1, None])
+            logits = torch.matmul(aq[b, t0:t1], akv[b, :t1].t()) * scale  # [n, H, t1]
+            probs = logits.masked_fill(~allowed[:, None], float("-inf")).softmax(-1).sum(1)  # [n, t1]
+            tokens = slot_tokens[b, :width].clamp(max=t1 - 1).flatten()  # slots ending past t1 are not visible
+            mass = probs[:, tokens].view(-1, width, kpool).sum(-1) * support
+        kl, n_rows, dscores = _kl_tile(scores, support, mass, need_grad)
+        kl_sum, rows = kl_sum + kl, rows + n_rows
+        if need_grad:
+            ds, dw_t = _score_grads(wc[b, t0:t1], r, dscores, dim_i)
+            dq[b, t0:t1] = torch.matmul(ds, pkc[b, :width])
+            dw[b, t0:t1] = dw_t
+            dpk[b, :width] += torch.matmul(ds.flatten(0, 1).t(), qc[b, t0:t1].flatten(0, 1))
     if not need_grad:
         return kl_sum.to(torch.float32), rows.to(torch.float32), *_empty_grads(q, w, pk)
     return kl_sum.to(torch.float32), rows.to(torch.float32), dq.to(q.dtype), dw.to(w.dtype), dpk.to(pk.dtype)

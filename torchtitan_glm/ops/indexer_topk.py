@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["index_scores", "kpool_topk", "tile_rows", "visible"]
+__all__ = ["index_scores", "kpool_topk", "query_tiles", "tile_rows", "visible"]
 
 _INT64_MIN = -(2**63)
 _LOW = 2**31 - 1
@@ -24,6 +24,17 @@ _LOW = 2**31 - 1
 def tile_rows(width: int, budget: int) -> int:
     """Query rows per tile so that one [rows, width] working tensor holds at most `budget` elements."""
     return max(1, budget // max(1, width))
+
+
+def query_tiles(bsz: int, seqlen: int, num_slots: int, *, tile: int, kpool: int):
+    """(row b, first query t0, end t1, slots W) of each query tile that can see a pool: queries below t1 only ever
+    see slots < t1 // kpool (module docstring)."""
+    for b in range(bsz):
+        for t0 in range(0, seqlen, tile):
+            t1 = min(t0 + tile, seqlen)
+            width = min(num_slots, t1 // kpool)
+            if width > 0:
+                yield b, t0, t1, width
 
 
 def index_scores(q: Tensor, w: Tensor, pk: Tensor) -> tuple[Tensor, Tensor]:
@@ -64,16 +75,11 @@ def kpool_topk_tiled(
     out = torch.full((bsz, seqlen, k), -1, dtype=torch.long, device=q.device)
     if k == 0:
         return out
-    for b in range(bsz):
-        for t0 in range(0, seqlen, tile):
-            t1 = min(t0 + tile, seqlen)
-            width = min(num_slots, t1 // kpool)
-            if width == 0:
-                continue
-            scores, _ = index_scores(q[b, t0:t1], w[b, t0:t1], pk[b, :width])
-            valid = visible(pool_last[b, :width], pool_key[b, :width], doc_key[b, t0:t1], t0)
-            top = _stable_topk(scores, valid, k)
-            out[b, t0:t1, : top.shape[-1]] = top
+    for b, t0, t1, width in query_tiles(bsz, seqlen, num_slots, tile=tile, kpool=kpool):
+        scores, _ = index_scores(q[b, t0:t1], w[b, t0:t1], pk[b, :width])
+        valid = visible(pool_last[b, :width], pool_key[b, :width], doc_key[b, t0:t1], t0)
+        top = _stable_topk(scores, valid, k)
+        out[b, t0:t1, : top.shape[-1]] = top
     return out
 
 
