@@ -5,12 +5,14 @@ checkpointing, on one device; optionally swept over sequence lengths.
     python scripts/benchmark.py --seq-len sweep --runs compiled:auto      # T = 4K ... 128K, the AC each T needs
 
 Weights are BF16, no FSDP, no optimizer; one row of `--docs` packed documents. `--scope train` is the trainer's
-loss: fused CE + MTP layer + the indexer KL, over the selected pools (`--indexer-kl sparse`, loss.indexer_sparse_loss
-= true: linear in T) or over every visible pool (`--indexer-kl dense`, the dense warm-up's and the default sparse
-stage's form: its dense attention target costs O(T^2) FP32 work per DSA layer). `--scope reference` drops the MTP
+loss: fused CE + MTP layer + the indexer KL, over every visible pool (`--indexer-kl dense`, the default: the dense
+warm-up's form and the sparse stage's with loss.indexer_sparse_loss = false; its dense attention target costs
+O(T^2) FP32 work per DSA layer) or over the selected pools (`--indexer-kl sparse`, loss.indexer_sparse_loss = true:
+linear in T). `--scope reference` drops the MTP
 layer and the indexer KL, the scope of the transformers figure in shared/reference/measured_h200.md (trunk + LM
 head + CE). AC `auto` picks selective up to T = 32K and full above. A run that runs out of memory prints a row
-marked OOM and the sweep goes on. `--profile` adds one profiled step per run and prints its CUDA kernels by total
+marked OOM and the sweep goes on. A third field `fp8` in a run (`compiled:selective:fp8`) converts the model to the
+FP8 serving split first (`--float8-recipe`). `--profile` adds one profiled step per run and prints its CUDA kernels by total
 time. Prints one JSON line per run and a markdown table; the proxy needs CUDA.
 """
 
@@ -30,6 +32,8 @@ from torchtitan_glm.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_glm.compile import apply_compile
 from torchtitan_glm.components.loss import indexer_kl_loss
 from torchtitan_glm.components.metrics import flops_per_token
+from torchtitan_glm.config import Float8Config
+from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8
 from torchtitan_glm.models.glm5 import Glm5Model, get_flavor
 
 
@@ -43,7 +47,7 @@ def auto_ac(seq_len: int) -> str:
 
 def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, steps: int, warmup: int,
             device: torch.device, dtype: torch.dtype, backend: str, scope: str, profile: bool, indexer_kl: str,
-            docs: int, tile_elements: int) -> dict:
+            docs: int, tile_elements: int, float8: str | None = None) -> dict:
     args = get_flavor(flavor).replace(indexer_tile_elements=tile_elements)
     train_scope = scope == "train"
     if not train_scope:
@@ -54,6 +58,9 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
     model.to_empty(device=device)
     model.init_weights()
     model.to(dtype)
+    f8 = Float8Config(enable=float8 is not None, recipe=float8 or "tensorwise")
+    convert_float8(model, cfg=f8)  # the serving split, exactly as the trainer converts
+    configure_inductor_for_float8(cfg=f8)
     apply_activation_checkpointing(model, mode=ac)
     if compiled:
         apply_compile(model, backend=backend, components=["model", "loss"])
@@ -101,7 +108,8 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
         print(prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=60), flush=True)
     tps = batch * seq_len / step_s
     result = dict(flavor=flavor, scope=scope, indexer_kl=indexer_kl if train_scope else None, seq_len=seq_len,
-                  batch=batch, mode="compiled" if compiled else "eager", ac=ac, step_ms=round(step_s * 1e3, 2), tokens_per_s=round(tps, 1), peak_mem_gib=round(peak, 2),
+                  batch=batch, mode="compiled" if compiled else "eager", ac=ac, float8=float8 or "off",
+                  step_ms=round(step_s * 1e3, 2), tokens_per_s=round(tps, 1), peak_mem_gib=round(peak, 2),
                   warmup_s=round(warmup_s, 1), tflops=round(tps * flops_per_token(args, seq_len) / 1e12, 1))
     del model
     gc.collect()
@@ -118,13 +126,16 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--docs", type=int, default=1, help="documents packed in each row (equal lengths)")
     p.add_argument("--runs", default="eager:none,compiled:none,eager:full,compiled:full",
-                   help="comma-separated mode:ac pairs, mode in {eager, compiled}, ac in {none, full, selective, auto}")
+                   help="comma-separated mode:ac[:fp8] specs, mode in {eager, compiled}, ac in {none, full, selective, "
+                        "auto}; a third field fp8 runs the FP8 serving split ([float8] defaults, --float8-recipe)")
+    p.add_argument("--float8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--backend", default="inductor")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--scope", choices=["train", "reference"], default="train")
-    p.add_argument("--indexer-kl", choices=["sparse", "dense"], default="sparse")
+    p.add_argument("--indexer-kl", choices=["sparse", "dense"], default="dense",
+                   help="the trainer's default (loss.indexer_sparse_loss = false) is dense")
     p.add_argument("--indexer-tile-elements", type=int, default=0,
                    help="loss.indexer_tile_elements (default: 2^28 on CUDA, 2^26 on CPU)")
     p.add_argument("--profile", action="store_true")
@@ -140,15 +151,16 @@ def main() -> None:
     rows = []
     for seq_len in seq_lens:
         for spec in a.runs.split(","):
-            mode, ac = spec.split(":")
+            mode, ac, *fp8 = spec.split(":")
             ac = auto_ac(seq_len) if ac == "auto" else ac
             try:
                 r = run_one(flavor=a.flavor, seq_len=seq_len, batch=a.batch, compiled=mode == "compiled", ac=ac,
                             steps=a.steps, warmup=a.warmup, device=device, dtype=getattr(torch, a.dtype),
                             backend=a.backend, scope=a.scope, profile=a.profile, indexer_kl=a.indexer_kl, docs=a.docs,
-                            tile_elements=tile_elements)
+                            tile_elements=tile_elements, float8=a.float8_recipe if fp8 == ["fp8"] else None)
             except torch.cuda.OutOfMemoryError as e:
-                r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=ac, oom=str(e).split(".")[0])
+                r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=ac,
+                         float8=a.float8_recipe if fp8 == ["fp8"] else "off", oom=str(e).split(".")[0])
             if "oom" in r:  # outside the handler: its traceback no longer holds the model
                 gc.collect()
                 torch.cuda.empty_cache()
@@ -162,13 +174,14 @@ def main() -> None:
     print(f"\n{name}, torch {torch.__version__}\n")
     kl = f", indexer KL {a.indexer_kl}, indexer tiles of {tile_elements} elements" if a.scope == "train" else ""
     print(f"scope: {a.scope}{kl}, {a.docs} document(s) per row\n")
-    print("| T | mode | AC | step ms | tokens/s | TFLOP/s | peak GiB | warm-up s |\n|---|---|---|---|---|---|---|---|")
+    print("| T | mode | AC | float8 | step ms | tokens/s | TFLOP/s | peak GiB | warm-up s |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "oom" in r:
-            print(f"| {r['seq_len']:,} | {r['mode']} | {r['ac']} | OOM | | | | |")
+            print(f"| {r['seq_len']:,} | {r['mode']} | {r['ac']} | {r['float8']} | OOM | | | | |")
             continue
-        print(f"| {r['seq_len']:,} | {r['mode']} | {r['ac']} | {r['step_ms']} | {r['tokens_per_s']:,.0f} | "
-              f"{r['tflops']} | {r['peak_mem_gib']} | {r['warmup_s']} |")
+        print(f"| {r['seq_len']:,} | {r['mode']} | {r['ac']} | {r['float8']} | {r['step_ms']} | "
+              f"{r['tokens_per_s']:,.0f} | {r['tflops']} | {r['peak_mem_gib']} | {r['warmup_s']} |")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ else:  # pragma: no cover - exercised only on 3.10
 
 __all__ = [
     "ConfigError", "JobConfig", "JobSectionConfig", "ModelConfig", "TrainingConfig", "DataConfig", "OptimizerConfig",
-    "LRSchedulerConfig", "LossConfig", "ParallelismConfig", "CheckpointConfig", "ActivationCheckpointConfig",
+    "LRSchedulerConfig", "LossConfig", "ParallelismConfig", "Float8Config", "CheckpointConfig", "ActivationCheckpointConfig",
     "CompileConfig", "MetricsConfig", "load_config", "main_guard",
 ]
 
@@ -50,6 +50,11 @@ class _Section:
     """Mixin for section dataclasses: the section name and helpers that raise ConfigError naming `section.key`."""
 
     SECTION: ClassVar[str] = ""
+
+    @classmethod
+    def extra_keys(cls) -> dict[str, Any]:
+        """Keys besides the fields, name -> type, collected into the section's one dict field."""
+        return {}
 
     def validate(self) -> None:
         """Check this section's values on their own (cross-section rules live in JobConfig.validate)."""
@@ -95,24 +100,52 @@ class ModelConfig(_Section):
 
     name: model family (only "glm5"); flavor: a named Glm5ModelArgs preset (models/glm5/args.py FLAVORS);
     hf_config: path to an HF config.json or checkpoint directory; when set it overrides `flavor`.
+    Any other key is a Glm5ModelArgs field set on top of the flavor / hf_config (`args`), e.g. `hc_mult = 2` or
+    the precision controls `indexer_fp8_emulation`, `mhc_fp32_mixing`, `kpool_fp32_accumulate`,
+    `indexer_weights_fp32`, `indexer_k_norm_fp32`, `kpool_ape_trainable`, `hc_head`.
     """
 
     SECTION: ClassVar[str] = "model"
     name: str = "glm5"
     flavor: str = "debug"
     hf_config: str = ""
+    args: dict = field(default_factory=dict)  # Glm5ModelArgs overrides, written as plain [model] keys
+
+    @classmethod
+    def extra_keys(cls) -> dict[str, Any]:
+        """Glm5ModelArgs fields, settable as [model] keys (set by the trainer itself: dsa_attention)."""
+        from torchtitan_glm.models.glm5.args import Glm5ModelArgs
+
+        hints = typing.get_type_hints(Glm5ModelArgs)
+        return {f.name: hints[f.name] for f in dataclasses.fields(Glm5ModelArgs) if f.name != "dsa_attention"}
+
+    def model_args(self):
+        """The Glm5ModelArgs these keys describe (hf_config, else flavor, then the overrides)."""
+        from torchtitan_glm.models.glm5.args import Glm5ModelArgs, get_flavor
+
+        changes = dict(self.args)
+        if "num_hidden_layers" in changes:  # per-layer lists not given are derived again for the new depth
+            changes = {**{k: None for k in ("layer_types", "mlp_layer_types", "indexer_types")}, **changes}
+        if self.hf_config:
+            return Glm5ModelArgs.from_hf_config(self.hf_config, **changes)
+        return get_flavor(self.flavor).replace(**changes)
 
     def validate(self) -> None:
-        from torchtitan_glm.models.glm5.args import FLAVORS, Glm5ModelArgs, ModelArgsError
+        from torchtitan_glm.models.glm5.args import FLAVORS, ModelArgsError
 
         self._choice("name", ("glm5",))
         self._choice("flavor", sorted(FLAVORS))
         if self.hf_config:
             self._path_exists("hf_config", self.hf_config)
-            try:
-                Glm5ModelArgs.from_hf_config(self.hf_config)
-            except (ModelArgsError, TypeError) as e:
-                self._fail("hf_config", f"{self.hf_config}: {e}")
+        try:
+            self.model_args()
+        except ModelArgsError as e:
+            if e.key in self.args:
+                self._fail(e.key, str(e))
+            self._fail("hf_config" if self.hf_config else "flavor",
+                       f"{self.hf_config or self.flavor}: {e}")
+        except TypeError as e:
+            self._fail("hf_config", f"{self.hf_config}: {e}")
 
 
 _DTYPES = ("bfloat16", "float32")
@@ -284,6 +317,43 @@ class ParallelismConfig(_Section):
                       "data_parallel_shard_degree", "must be -1 (infer) or >= 1")
 
 
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+# Roles a [float8] keep_bf16 entry may name (the blocks' `linear_roles`); routed experts have their own key.
+FLOAT8_ROLES = ("kda", "mla", "indexer", "mlp", "shared_expert", "mtp")
+SERVING_BF16_ROLES = ("indexer", "mla", "kda")
+
+
+@dataclass(frozen=True)
+class Float8Config(_Section):
+    """[float8] FP8 training through torchao (float8.py), with the serving precision split.
+
+    enable: convert at all; recipe: torchao Float8Linear recipe for the converted Linears ("tensorwise",
+    "rowwise", "rowwise_with_gw_hp"); moe_experts: routed experts through torchao's FP8 rowwise grouped GEMM;
+    fsdp_float8_all_gather: FSDP2 all-gathers the converted weights in FP8 (tensorwise only); keep_bf16: roles whose
+    Linears stay BF16, default the serving split (the DSA indexer, the MLA attention GEMMs, every KDA projection),
+    choose from FLOAT8_ROLES. The LM head and the router are never converted.
+    """
+
+    SECTION: ClassVar[str] = "float8"
+    enable: bool = False
+    recipe: str = "tensorwise"
+    moe_experts: bool = True
+    fsdp_float8_all_gather: bool = False
+    keep_bf16: list[str] = field(default_factory=lambda: list(SERVING_BF16_ROLES))
+
+    def validate(self) -> None:
+        self._choice("recipe", FLOAT8_RECIPES)
+        if self.fsdp_float8_all_gather and self.recipe != "tensorwise":
+            self._fail("fsdp_float8_all_gather", f"needs float8.recipe='tensorwise' (torchao's FP8 all-gather uses "
+                       f"one scale per tensor), recipe is {self.recipe!r}")
+        for role in self.keep_bf16:
+            if role == "experts":
+                self._fail("keep_bf16", "routed experts are chosen by float8.moe_experts, not by keep_bf16")
+            if role not in FLOAT8_ROLES:
+                self._fail("keep_bf16", f"unknown role {role!r}; roles are {list(FLOAT8_ROLES)}")
+        self._require(len(set(self.keep_bf16)) == len(self.keep_bf16), "keep_bf16", "has duplicates")
+
+
 @dataclass(frozen=True)
 class CheckpointConfig(_Section):
     """[checkpoint] DCP checkpoints and HF import/export.
@@ -291,7 +361,9 @@ class CheckpointConfig(_Section):
     enable: save checkpoints; folder: under job.dump_folder; interval: steps between saves; keep_latest_k: delete
     older step folders (0 keeps all); async_mode: "disabled" or "async" (DCP async_save); initial_load_path: weights
     to start from when the folder holds no checkpoint; initial_load_in_hf: that path is an HF safetensors checkpoint;
-    last_save_in_hf: the final save is HF safetensors (needs enable); export_dtype: dtype of HF exports.
+    last_save_in_hf: the final save is HF safetensors (needs enable); export_dtype: dtype of HF exports;
+    export_fp8: the HF export uses the released FP8 layout (E4M3 + 128x128 block scales for what float8.keep_bf16
+    does not keep, modules_to_not_convert for the rest) for serving.
     """
 
     SECTION: ClassVar[str] = "checkpoint"
@@ -304,6 +376,7 @@ class CheckpointConfig(_Section):
     initial_load_in_hf: bool = False
     last_save_in_hf: bool = False
     export_dtype: str = "bfloat16"
+    export_fp8: bool = False
 
     def validate(self) -> None:
         self._require(bool(self.folder), "folder", "must be non-empty")
@@ -317,6 +390,8 @@ class CheckpointConfig(_Section):
         if self.last_save_in_hf and not self.enable:
             self._fail("last_save_in_hf", "is true but checkpoint.enable is false (nothing is saved)")
         self._choice("export_dtype", _DTYPES)
+        if self.export_fp8 and not self.last_save_in_hf:
+            self._fail("export_fp8", "is true but checkpoint.last_save_in_hf is false (there is no HF export)")
 
 
 @dataclass(frozen=True)
@@ -383,6 +458,7 @@ class JobConfig:
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    float8: Float8Config = field(default_factory=Float8Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
@@ -393,7 +469,15 @@ class JobConfig:
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             for sf in dataclasses.fields(section):
-                _check_type(getattr(section, sf.name), _field_types(type(section))[sf.name], f"{f.name}.{sf.name}")
+                value, tp = getattr(section, sf.name), _field_types(type(section))[sf.name]
+                if tp is dict:  # extra keys ([model] args): each checked against its own type
+                    extra = type(section).extra_keys()
+                    for k, v in value.items():
+                        if k not in extra:
+                            raise ConfigError(f"{f.name}.{k}", "unknown key")
+                        _check_type(v, extra[k], f"{f.name}.{k}")
+                else:
+                    _check_type(value, tp, f"{f.name}.{sf.name}")
             section.validate()
         tr, lr = self.training, self.lr_scheduler
         if lr.warmup_steps > tr.steps:
@@ -407,7 +491,15 @@ class JobConfig:
                                   f"steps must be >= 1 and fit after lr_scheduler.warmup_steps={lr.warmup_steps}")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        """Sections as TOML tables; extra keys (the [model] args) appear as plain keys of their section."""
+        out = {}
+        for f in dataclasses.fields(self):
+            values = dataclasses.asdict(getattr(self, f.name))
+            for k, tp in _field_types(type(getattr(self, f.name))).items():
+                if tp is dict:
+                    values.update(values.pop(k))
+            out[f.name] = values
+        return out
 
     def to_toml(self) -> str:
         """TOML text that load_config reads back to an equal JobConfig."""
@@ -506,7 +598,8 @@ def _lookup(section: str, key: str | None, source: str) -> Any:
         close = difflib.get_close_matches(section, _SECTIONS, n=1)
         hint = f"; did you mean [{close[0]}]?" if close else f"; known sections: {sorted(_SECTIONS)}"
         raise ConfigError(section, f"unknown section [{section}]{hint}", source)
-    types_ = _field_types(_SECTIONS[section])
+    types_ = {k: tp for k, tp in _field_types(_SECTIONS[section]).items() if tp is not dict}
+    types_.update(_SECTIONS[section].extra_keys())
     if key is not None and key not in types_:
         close = difflib.get_close_matches(key, types_, n=1)
         hint = f"; did you mean `{section}.{close[0]}`?" if close else f"; known keys: {sorted(types_)}"
@@ -552,6 +645,10 @@ def _help_text() -> str:
         lines.append(f"[{section}]")
         default = cls()
         for name, tp in _field_types(cls).items():
+            if tp is dict:
+                lines += [f"  --{section}.{k} ({_type_name(t)}, default from the flavor)"
+                          for k, t in cls.extra_keys().items()]
+                continue
             lines.append(f"  --{section}.{name} ({_type_name(tp)}, default {_toml_value(getattr(default, name))})")
     return "\n".join(lines)
 
@@ -604,7 +701,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
             raise e.with_source(cli_note) from None
         origin[dotted] = cli_note
 
-    cfg = JobConfig(**{s: cls(**values[s]) for s, cls in _SECTIONS.items()})
+    cfg = JobConfig(**{s: cls(**_pack_extra(cls, values[s])) for s, cls in _SECTIONS.items()})
     try:
         cfg.validate()
     except ConfigError as e:
@@ -614,6 +711,17 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         print(cfg.to_toml(), end="")
         raise SystemExit(0)
     return cfg
+
+
+def _pack_extra(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """Move a section's extra keys into its dict field (the [model] args)."""
+    dict_fields = [k for k, tp in _field_types(cls).items() if tp is dict]
+    if not dict_fields:
+        return values
+    own = set(_field_types(cls))
+    packed = {k: v for k, v in values.items() if k in own}
+    packed[dict_fields[0]] = {k: v for k, v in values.items() if k not in own}
+    return packed
 
 
 def main_guard(fn: Callable[..., T]) -> Callable[..., T]:

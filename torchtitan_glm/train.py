@@ -19,7 +19,8 @@ from torchtitan_glm.components.optimizer import build_optimizer, clip_grad_norm_
 from torchtitan_glm.components.tokenizer import build_tokenizer
 from torchtitan_glm.config import JobConfig, load_config, main_guard
 from torchtitan_glm.distributed.parallel_dims import ParallelDims
-from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs, get_flavor
+from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8, precompute_float8_scales
+from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs
 from torchtitan_glm.models.glm5.model import mtp_targets
 from torchtitan_glm.models.glm5.parallelize import (
     allreduce_replicated_grads, broadcast_replicated_params, parallelize_glm5,
@@ -31,13 +32,11 @@ _MATERIALIZE_INIT_MAX_PARAMS = 2_000_000_000
 
 
 def build_model_args(cfg: JobConfig) -> Glm5ModelArgs:
-    """From model.hf_config, else the HF checkpoint being loaded, else the named flavor."""
-    if cfg.model.hf_config:
-        args = Glm5ModelArgs.from_hf_config(cfg.model.hf_config)
-    elif cfg.checkpoint.initial_load_in_hf and cfg.checkpoint.initial_load_path:
-        args = Glm5ModelArgs.from_hf_config(cfg.checkpoint.initial_load_path)
+    """From model.hf_config, else the HF checkpoint being loaded, else the named flavor; then the [model] overrides."""
+    if not cfg.model.hf_config and cfg.checkpoint.initial_load_in_hf and cfg.checkpoint.initial_load_path:
+        args = Glm5ModelArgs.from_hf_config(cfg.checkpoint.initial_load_path, **cfg.model.args)
     else:
-        args = get_flavor(cfg.model.flavor)
+        args = cfg.model.model_args()
     stage = "dense" if cfg.loss.indexer_stage == "dense_warmup" else "sparse"
     if cfg.loss.mtp_weight == 0:
         args = args.replace(num_nextn_predict_layers=0)
@@ -80,6 +79,10 @@ class Trainer:
         torch.manual_seed(cfg.job.seed)
         with torch.device("meta"):
             model = Glm5Model(self.args)
+        self.float8 = convert_float8(model, cfg=cfg.float8)
+        if self.rank == 0:
+            print(self.float8.line(), flush=True)
+        configure_inductor_for_float8(cfg=cfg.float8)
         small = sum(p.numel() for p in model.parameters()) <= _MATERIALIZE_INIT_MAX_PARAMS
         if small:
             model.to_empty(device=self.device)
@@ -122,7 +125,9 @@ class Trainer:
     def _hf_save(self, model: torch.nn.Module, out_dir: str) -> None:
         from torchtitan_glm.models.glm5.hf_distributed import save_hf_from_sharded
 
-        save_hf_from_sharded(model, out_dir, dtype=getattr(torch, self.cfg.checkpoint.export_dtype))
+        ckpt = self.cfg.checkpoint
+        save_hf_from_sharded(model, out_dir, dtype=getattr(torch, ckpt.export_dtype), fp8=ckpt.export_fp8,
+                             keep_bf16=self.cfg.float8.keep_bf16)
 
     # ---------------------------------------------------------------------------------------------- step
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -153,6 +158,7 @@ class Trainer:
         grad_norm = clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
                                     self.cfg.training.max_norm)
         self.optimizer.step()
+        precompute_float8_scales(self.model, cfg=self.cfg.float8)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         imbalance = None

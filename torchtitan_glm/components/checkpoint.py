@@ -36,6 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchtitan_glm.float8 import plain_tensors
+
 __all__ = ["CheckpointManager", "list_checkpoints", "step_dir"]
 
 logger = logging.getLogger(__name__)
@@ -72,7 +74,7 @@ class _ModelState(Stateful):
         self.model = model
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        return plain_tensors(get_model_state_dict(self.model))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_model_state_dict(self.model, state_dict)
@@ -85,7 +87,7 @@ class _OptimizerState(Stateful):
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return plain_tensors(get_optimizer_state_dict(self.model, self.optimizer))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)

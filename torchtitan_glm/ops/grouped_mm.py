@@ -157,12 +157,15 @@ def grouped_mm(x: Tensor, w: Tensor, offs: Tensor, *, fp8: bool = False) -> Tens
 def pad_groups(x: Tensor, counts: Tensor, *, align: int) -> tuple[Tensor, Tensor, Tensor]:
     """Rows of x sorted by group (counts [G]) placed so every group starts at a multiple of `align` rows.
 
-    Returns (x_padded [N + G * (align - 1), K] with zero padding rows, padded offs [G] int32, index [N] of each
-    original row in x_padded). Static shapes: no host sync, no recompile when the routing changes."""
+    Returns (x_padded [N + G * (align - 1), rounded up to a multiple of align] with zero padding rows, padded offs [G]
+    int32, index [N] of each original row in x_padded); the row count is a multiple of align too, because the FP8
+    wgrad GEMM reads the transposed activations with a row stride of that many bytes (CUDA needs 16-byte strides).
+    Static shapes: no host sync, no recompile when the routing changes."""
     padded = (counts + align - 1) // align * align
     offs = counts.cumsum(0)
     group = _group_of_rows(offs, x.shape[0])
     shift = (padded.cumsum(0) - padded) - (offs - counts)  # padded start - unpadded start, per group
     index = torch.arange(x.shape[0], device=x.device) + shift[group]
-    out = x.new_zeros(x.shape[0] + counts.shape[0] * (align - 1), x.shape[1]).index_copy(0, index, x)
+    rows = -(-(x.shape[0] + counts.shape[0] * (align - 1)) // align) * align
+    out = x.new_zeros(rows, x.shape[1]).index_copy(0, index, x)
     return out, padded.cumsum(0).to(torch.int32), index

@@ -24,8 +24,10 @@ def load_hf_weights_into(model: nn.Module, hf_dir: str | os.PathLike) -> None:
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=True))
 
 
-def save_hf_from_sharded(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Gather the full weights and write them (rank 0) in the released HF layout; other ranks wait."""
+def save_hf_from_sharded(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
+                         fp8: bool = False, keep_bf16: tuple[str, ...] | list[str] = ("indexer", "mla", "kda")) -> None:
+    """Gather the full weights and write them (rank 0) in the released HF layout (FP8 block-scaled with `fp8`);
+    other ranks wait."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
@@ -34,7 +36,7 @@ def save_hf_from_sharded(model: nn.Module, out_dir: str | os.PathLike, *, dtype:
             cpu_model = Glm5Model(args)
         cpu_model.to_empty(device="cpu")
         cpu_model.load_state_dict(full, strict=True)
-        save_pretrained(cpu_model, out_dir, dtype=dtype, overwrite=False)
+        save_pretrained(cpu_model, out_dir, dtype=dtype, overwrite=False, fp8=fp8, keep_bf16=keep_bf16)
     if dist.is_initialized():
         dist.barrier()
 

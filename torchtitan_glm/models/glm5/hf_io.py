@@ -23,8 +23,11 @@ from .model import Glm5Model
 from .state_dict_adapter import (
     LM_HEAD,
     CheckpointMismatchError,
+    SCALE_SUFFIX,
     Glm5StateDictAdapter,
     dequantize_fp8_blockwise,
+    fp8_scale_shape,
+    quantize_fp8_blockwise,
 )
 
 logger = logging.getLogger(__name__)
@@ -228,6 +231,37 @@ def _fp32_hf_names(model: Glm5Model, adapter: Glm5StateDictAdapter) -> set[str]:
     return names
 
 
+FP8_BLOCK = 128
+
+
+def _scale_numel(t: torch.Tensor) -> int:
+    rows, cols = fp8_scale_shape(tuple(t.shape), FP8_BLOCK)
+    return rows * cols
+
+
+def _fp8_export_names(model: Glm5Model, adapter: Glm5StateDictAdapter, keep_bf16) -> set[str]:
+    """HF names of the weights the FP8 split runs in FP8: converted Linears and the routed experts."""
+    from torchtitan_glm.float8 import fp8_convertible
+    from .moe import GroupedExperts
+
+    ours = [f"{fqn}.weight" for fqn in fp8_convertible(model, keep_bf16=keep_bf16)]
+    ours += [f"{prefix}.{n}" for prefix, m in model.named_modules() if isinstance(m, GroupedExperts)
+             for n, _ in m.named_parameters(recurse=False)]
+    out: set[str] = set()
+    for name in ours:
+        hf = adapter.internal_to_hf(name)
+        out.update(hf if isinstance(hf, list) else [hf])
+    return out
+
+
+def _indexer_hf_modules(model: Glm5Model, adapter: Glm5StateDictAdapter) -> set[str]:
+    """HF module names of the DSA indexers (their k_norm and index_kpool_compress_* tensors included)."""
+    from .dsa import KPoolIndexer
+
+    return {adapter.internal_to_hf(f"{p}.wk.weight").removesuffix(".wk.weight")
+            for p, m in model.named_modules() if isinstance(m, KPoolIndexer)}
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -293,8 +327,15 @@ def save_pretrained(
     overwrite: bool = False,
     include_mtp: bool | None = None,
     config: Mapping[str, Any] | None = None,
+    fp8: bool = False,
+    keep_bf16: tuple[str, ...] | list[str] = ("indexer", "mla", "kda"),
 ) -> Path:
     """Write `model` as an HF checkpoint (config.json + model.safetensors, or shards + index) and return out_dir.
+
+    fp8: the released FP8 layout for serving: the Linears the FP8 split converts (float8.fp8_convertible with
+    `keep_bf16`) and the routed experts as E4M3 with 128x128 block `weight_scale_inv`, everything else in `dtype`;
+    config.json's quantization_config lists every module left unquantised in `modules_to_not_convert` (the whole
+    indexer, KDA projections, MLA attention, head, router, ...).
 
     dtype None writes each tensor in the dtype it had in the loaded HF files (`model.hf_origin`), else in its
     parameter dtype; an explicit dtype casts every floating tensor except those of `keep_fp32` modules (FP32).
@@ -334,6 +375,8 @@ def save_pretrained(
             continue
         tensors.setdefault(name, t)
 
+    quantized = _fp8_export_names(model, adapter, keep_bf16) & set(tensors) if fp8 else set()
+
     def target_dtype(name: str, t: torch.Tensor) -> torch.dtype:
         if not t.is_floating_point():
             return t.dtype
@@ -342,12 +385,28 @@ def save_pretrained(
         return torch.float32 if name in fp32 else dtype
 
     names = sorted(tensors)
-    dtypes = {n: target_dtype(n, tensors[n]) for n in names}
-    sizes = {n: tensors[n].numel() * dtypes[n].itemsize for n in names}
+    dtypes = {n: torch.float8_e4m3fn if n in quantized else target_dtype(n, tensors[n]) for n in names}
+    sizes = {n: tensors[n].numel() * dtypes[n].itemsize + (4 * _scale_numel(tensors[n]) if n in quantized else 0)
+             for n in names}
     shards = _plan_shards(sizes, max_shard_bytes)
     files = [SINGLE_FILE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     cfg = dict(config) if config is not None else _export_config(model, origin, dtype)
+    if quantized:
+        not_convert = sorted({n.rsplit(".", 1)[0] for n in names if n not in quantized and n.endswith(".weight")
+                              and tensors[n].ndim == 2} | _indexer_hf_modules(model, adapter))
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": [FP8_BLOCK, FP8_BLOCK], "modules_to_not_convert": not_convert}
+
+    def shard_tensors(shard: list[str]) -> dict[str, torch.Tensor]:
+        data = {}
+        for n in shard:
+            if n in quantized:
+                data[n], data[n + SCALE_SUFFIX] = quantize_fp8_blockwise(tensors[n].to("cpu"), FP8_BLOCK)
+            else:
+                # copy=True: per-expert views share storage, which safetensors refuses; copies one shard at a time.
+                data[n] = tensors[n].to(device="cpu", dtype=dtypes[n], copy=True).contiguous()
+        return data
 
     from safetensors.torch import save_file
 
@@ -356,13 +415,13 @@ def save_pretrained(
     tmp.mkdir()
     try:
         for fname, shard in zip(files, shards):
-            # copy=True: per-expert views share storage, which safetensors refuses; copies are one shard at a time.
-            data = {n: tensors[n].to(device="cpu", dtype=dtypes[n], copy=True).contiguous() for n in shard}
+            data = shard_tensors(shard)
             save_file(data, str(tmp / fname), metadata={"format": "pt"})
             del data
         if len(files) > 1:
-            index = {"metadata": {"total_size": sum(sizes.values())},
-                     "weight_map": {n: f for f, shard in zip(files, shards) for n in shard}}
+            weight_map = {n: f for f, shard in zip(files, shards) for n in shard}
+            weight_map.update({n + SCALE_SUFFIX: weight_map[n] for n in quantized})
+            index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
             with open(tmp / INDEX_FILE, "w") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
         with open(tmp / CONFIG_NAME, "w") as f:

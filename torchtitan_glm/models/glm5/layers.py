@@ -34,15 +34,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 class DenseMLP(nn.Module):
     """SwiGLU MLP with the swiglu_limit clamp (dense layers and the shared expert)."""
 
-    def __init__(self, dim: int, hidden_dim: int, *, swiglu_limit: float) -> None:
+    def __init__(self, dim: int, hidden_dim: int, *, swiglu_limit: float, role: str = "mlp") -> None:
         super().__init__()
         self.swiglu_limit = swiglu_limit
         self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
-
-    # Projection roles, read by the float8 filters (later issue): all three are MLP GEMMs.
-    linear_roles = {"gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+        # Projection roles for float8.py: "mlp" (dense layers) or "shared_expert" (the MoE's always-on expert).
+        self.linear_roles = {"gate_proj": role, "up_proj": role, "down_proj": role}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))

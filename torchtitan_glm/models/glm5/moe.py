@@ -101,7 +101,7 @@ class MoE(nn.Module):
         self.gate = Router(args)
         self.experts = GroupedExperts(args)
         self.shared_experts = DenseMLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts,
-                                       swiglu_limit=args.swiglu_limit)
+                                       swiglu_limit=args.swiglu_limit, role="shared_expert")
         self.init_std = args.initializer_range
 
     def forward(self, x: torch.Tensor, *, seq_aux: bool = False) -> tuple[torch.Tensor, MoEStats]:

@@ -88,6 +88,21 @@ def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor, bloc
     return w.view(want[0] * bo, want[1] * bi)[:rows, :cols].to(dtype)
 
 
+def quantize_fp8_blockwise(weight: torch.Tensor, block: int | tuple[int, int] = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 weight, FP32 scale_inv) of a 2-D [out, in] weight, one scale per block x block tile (edge tiles
+    partial): scale_inv = tile amax / 448, the released checkpoints' layout; dequantize_fp8_blockwise inverts it."""
+    bo, bi = (block, block) if isinstance(block, int) else tuple(block)
+    if weight.ndim != 2:
+        raise ValueError(f"FP8 block quantisation needs a 2-D weight, got shape {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    tiles = fp8_scale_shape((rows, cols), (bo, bi))
+    w = torch.nn.functional.pad(weight.float(), (0, tiles[1] * bi - cols, 0, tiles[0] * bo - rows))
+    w = w.view(tiles[0], bo, tiles[1], bi)
+    scale_inv = (w.abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-12)
+    q = (w / scale_inv[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.view(tiles[0] * bo, tiles[1] * bi)[:rows, :cols].contiguous(), scale_inv
+
+
 def fp8_scale_shape(weight_shape: tuple[int, ...], block: int | tuple[int, int] = 128) -> tuple[int, int]:
     bo, bi = (block, block) if isinstance(block, int) else tuple(block)
     return (math.ceil(weight_shape[0] / bo), math.ceil(weight_shape[1] / bi))

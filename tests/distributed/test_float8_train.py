@@ -1,0 +1,50 @@
+"""FP8 training through train.py on 2 gloo ranks: the debug model learns with its routed experts in (emulated) FP8,
+its first loss tracks the BF16 run's, and DCP checkpoints move between BF16 and FP8 runs both ways."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from torchtitan_glm.models.glm5 import from_pretrained
+
+from .test_train import SHORT, _losses, _run_ok
+
+FP8 = ["--float8.enable", "true"]
+
+
+def test_fp8_debug_run_learns_and_tracks_bf16(tmp_path):
+    base = SHORT + ["--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false"]
+    bf16 = _losses(_run_ok(base + [f"--job.dump_folder={tmp_path / 'bf16'}"]).stdout)
+    res = _run_ok(base + FP8 + [f"--job.dump_folder={tmp_path / 'fp8'}"])
+    assert "float8: recipe=tensorwise, converted 16 Linear, 12 grouped-expert weights; kept BF16 by role: " \
+           "indexer=6, mla=10, kda=27" in res.stdout
+    fp8 = _losses(res.stdout)
+    assert sorted(fp8) == list(range(1, 21))
+    assert abs(fp8[1] - bf16[1]) / bf16[1] < 0.01, (fp8[1], bf16[1])  # same init and data: only FP8 rounding
+    first, last = sum(fp8[i] for i in range(1, 4)) / 3, sum(fp8[i] for i in range(18, 21)) / 3
+    assert last < first - 0.5, (first, last)
+    assert abs(fp8[20] - bf16[20]) / bf16[20] < 0.05, (fp8[20], bf16[20])
+
+
+def test_checkpoints_resume_across_precisions(tmp_path):
+    run = SHORT + ["--checkpoint.interval", "2", "--metrics.enable_tensorboard", "false"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    _run_ok(run + [f"--job.dump_folder={a}", "--training.steps", "4"])
+    shutil.copytree(a, b)
+    # BF16 checkpoint -> FP8 run (FP8 weights all-gathered in FP8: the sharded parameters become torchao tensors).
+    fp8 = _run_ok(run + FP8 + ["--float8.fsdp_float8_all_gather", "true", f"--job.dump_folder={a}",
+                               "--training.steps", "6"])
+    assert "resumed from the step-4 checkpoint" in fp8.stdout
+    bf16 = _run_ok(run + [f"--job.dump_folder={b}", "--training.steps", "6"])
+    l8, l16 = _losses(fp8.stdout), _losses(bf16.stdout)
+    assert sorted(l8) == [5, 6] and abs(l8[5] - l16[5]) / l16[5] < 0.01, (l8, l16)
+    # FP8 checkpoint -> BF16 run, exported at the end in the FP8 serving layout.
+    back = _run_ok(run + [f"--job.dump_folder={a}", "--training.steps", "8", "--checkpoint.last_save_in_hf", "true",
+                          "--checkpoint.export_fp8", "true"])
+    assert "resumed from the step-6 checkpoint" in back.stdout and sorted(_losses(back.stdout)) == [7, 8]
+    export = a / "checkpoint" / "hf-step-8"
+    quant = json.loads((export / "config.json").read_text())["quantization_config"]
+    assert "model.language_model.layers.3.self_attn.indexer" in quant["modules_to_not_convert"]
+    model = from_pretrained(export)
+    assert model.args.num_hidden_layers == 4

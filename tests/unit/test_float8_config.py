@@ -1,0 +1,61 @@
+"""[float8] and the Glm5ModelArgs keys of [model]: valid combinations load, bad ones raise ConfigError naming the key,
+and --print-config round-trips the model overrides."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchtitan_glm.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_float8_defaults_are_the_serving_split():
+    cfg = load_config(["--float8.enable", "true"])
+    assert cfg.float8.recipe == "tensorwise" and cfg.float8.moe_experts
+    assert cfg.float8.keep_bf16 == ["indexer", "mla", "kda"]
+
+
+@pytest.mark.parametrize("argv,key", [
+    (["--float8.keep_bf16", "indexer,attention"], "float8.keep_bf16"),
+    (["--float8.keep_bf16", "experts"], "float8.keep_bf16"),
+    (["--float8.keep_bf16", "kda,kda"], "float8.keep_bf16"),
+    (["--float8.recipe", "rowwise", "--float8.fsdp_float8_all_gather", "true"], "float8.fsdp_float8_all_gather"),
+    (["--float8.recipe", "mxfp8"], "float8.recipe"),
+    (["--model.hc_mult", "0"], "model.hc_mult"),
+    (["--model.hc_mult", "two"], "model.hc_mult"),
+    (["--model.mhc_fp32_mixing", "maybe"], "model.mhc_fp32_mixing"),
+    (["--model.hc_head", "weighted"], "model.hc_head"),
+    (["--model.index_head_dim", "24", "--model.indexer_fp8_emulation", "true"], "model.indexer_fp8_emulation"),
+    (["--model.no_such_field", "1"], "model.no_such_field"),
+    (["--model.dsa_attention", "dense"], "model.dsa_attention"),  # set by loss.indexer_stage
+])
+def test_bad_keys_name_themselves(argv, key):
+    with pytest.raises(ConfigError) as info:
+        load_config(argv)
+    assert info.value.key == key, info.value
+
+
+def test_model_overrides_reach_the_args_and_round_trip(tmp_path, capsys):
+    argv = ["--model.mhc_fp32_mixing", "true", "--model.kpool_ape_trainable", "false", "--model.num_hidden_layers",
+            "2", "--model.layer_types", "linear_attention,indexed_attention", "--model.linear_lower_bound", "none"]
+    cfg = load_config(argv)
+    args = cfg.model.model_args()
+    assert args.mhc_fp32_mixing and not args.kpool_ape_trainable and args.num_hidden_layers == 2
+    assert args.linear_lower_bound is None and args.layer_types == ["linear_attention", "indexed_attention"]
+    with pytest.raises(SystemExit):
+        load_config(argv + ["--print-config"])
+    toml = capsys.readouterr().out
+    path = tmp_path / "round.toml"
+    path.write_text(toml)
+    again = load_config(["--config", str(path)])
+    assert again.model.args == {k: v for k, v in cfg.model.args.items() if v is not None}
+
+
+def test_train_exits_2_naming_a_bad_float8_key():
+    res = subprocess.run([sys.executable, "train.py", "--config", "train_configs/debug_model.toml",
+                          "--float8.keep_bf16", "indexer,kda,moe"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and "float8.keep_bf16" in res.stderr and "'moe'" in res.stderr

@@ -1,0 +1,100 @@
+"""scripts/precision_report.py on the full GLM-5.3-Flash config: every parameter's (role, precision) equals the
+serving split as stated from the architecture (names are fine here: the test is the independent statement), with
+the counts of each kind; the JSON form has the documented schema; the start-up counts match the converted modules."""
+
+import json
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from torchtitan_glm.config import load_config
+from torchtitan_glm.float8 import convert_float8, float8_linear_class
+from torchtitan_glm.models.glm5 import Glm5Model, get_flavor
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+from precision_report import report  # noqa: E402
+
+KDA_PROJ = r"(q|k|v|f_a|f_b|g_a|g_b|b|o)_proj\.weight"
+MLA_PROJ = r"(q_a|q_b|kv_a|kv_b|o)_proj(_with_mqa)?\.weight"
+
+
+def expected(fqn: str) -> tuple[str, str]:
+    """The split of issue 8 for the full model, from the checkpoint layout."""
+    m = re.match(r"(layers\.(\d+)|mtp)\.(.*)$", fqn)
+    if m is None:
+        return {"embed_tokens.weight": ("embedding", "bf16"), "lm_head.weight": ("lm_head", "bf16"),
+                "norm.weight": ("norm", "bf16")}[fqn]
+    layer, rest = m.group(2), m.group(3)
+    is_kda = layer is not None and int(layer) % 4 != 3
+    rules = [
+        (r"(attn|ffn)_hc\.(fn|base|scale)", ("mhc", "fp32")),
+        (r"(input_layernorm|post_attention_layernorm|enorm|hnorm|shared_head\.norm)\.weight", ("norm", "bf16")),
+        (r"self_attn\.(q_a_layernorm|kv_a_layernorm|o_norm)\.weight", ("norm", "bf16")),
+        (r"self_attn\.decay\.(A_log|dt_bias)", ("kda_decay", "fp32")),
+        (r"self_attn\.(q|k|v)_conv1d\.weight", ("short_conv", "fp32")),
+        (r"self_attn\.indexer\.(wq_b\.weight|wk\.weight|weights_proj\.weight|index_kpool_compress_gate)",
+         ("indexer", "bf16")),
+        (r"self_attn\.indexer\.k_norm\.(weight|bias)", ("indexer", "fp32")),
+        (r"self_attn\.indexer\.kpool_ape\.weight", ("kpool_ape", "fp32")),
+        (r"mlp\.gate\.weight", ("router", "fp32")),
+        (r"mlp\.experts\.(gate|up|down)_proj", ("experts", "fp8-grouped-rowwise")),
+        (r"mlp\.shared_experts\.(gate|up|down)_proj\.weight", ("shared_expert", "fp8-rowwise")),
+        (r"mlp\.(gate|up|down)_proj\.weight", ("mlp", "fp8-rowwise")),
+        (r"eh_proj\.weight", ("mtp", "fp8-rowwise")),
+        (rf"self_attn\.{KDA_PROJ}", ("kda", "bf16") if is_kda else None),
+        (rf"self_attn\.{MLA_PROJ}", ("mla", "bf16") if not is_kda else None),
+    ]
+    for pattern, want in rules:
+        if re.fullmatch(pattern, rest) and want is not None:
+            return want
+    raise AssertionError(f"no rule for {fqn}")
+
+
+def test_full_model_report_is_the_serving_split():
+    rows, share, line = report(["--config", str(ROOT / "train_configs/glm5_3_flash.toml")])
+    with torch.device("meta"):
+        names = [n for n, _ in Glm5Model(get_flavor("glm5_3_flash")).named_parameters()]
+    assert [r["fqn"] for r in rows] == names
+    for r in rows:
+        assert (r["role"], r["precision"]) == expected(r["fqn"]), r
+    counts = Counter((r["role"], r["precision"]) for r in rows)
+    kda, dsa, moe = 34, 11 + 1, 42 + 1  # DSA and MoE include the MTP layer's
+    assert counts[("kda", "bf16")] == 9 * kda and counts[("short_conv", "fp32")] == 3 * kda
+    assert counts[("mla", "bf16")] == 5 * dsa and counts[("indexer", "bf16")] == 4 * dsa
+    assert counts[("kpool_ape", "fp32")] == dsa and counts[("router", "fp32")] == moe
+    assert counts[("experts", "fp8-grouped-rowwise")] == 3 * moe == counts[("shared_expert", "fp8-rowwise")]
+    assert counts[("mlp", "fp8-rowwise")] == 3 * 3 and counts[("mhc", "fp32")] == 45 * 2 * 3
+    assert line == (f"float8: recipe=rowwise, converted {3 * 3 + 3 * moe + 1} Linear, {3 * moe} grouped-expert "
+                    f"weights; kept BF16 by role: indexer={3 * dsa}, mla={5 * dsa}, kda={9 * kda}")
+    assert 0.3 < share < 0.9
+
+
+def test_report_json_schema():
+    res = subprocess.run([sys.executable, "scripts/precision_report.py", "--config", "train_configs/debug_model.toml",
+                          "--float8.enable", "true", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(res.stdout)
+    assert rows and all(set(r) == {"fqn", "role", "precision"} for r in rows)
+    assert {r["precision"] for r in rows} <= {"fp8-tensorwise", "fp8-rowwise", "fp8-grouped-rowwise", "bf16", "fp32"}
+
+
+def test_startup_counts_match_converted_modules_and_zero_when_off():
+    cfg = load_config(["--float8.enable", "true", "--float8.keep_bf16", "kda"])
+    model = Glm5Model(get_flavor("debug"))
+    summary = convert_float8(model, cfg=cfg.float8)
+    f8 = float8_linear_class()
+    assert summary.converted_linears == sum(isinstance(m, f8) for m in model.modules()) > 0
+    converted_roles = {type(m).__name__ for m in model.modules() if isinstance(m, f8)}
+    assert converted_roles == {"Float8Linear"}
+    # the indexer and MLA are convertible once only kda is kept (their dims divide by 16 in the debug flavor)
+    mla = model.layers["3"].self_attn
+    assert isinstance(mla.q_b_proj, f8) and isinstance(mla.indexer.wk, f8)
+    assert not isinstance(model.layers["0"].self_attn.o_proj, f8)
+    assert summary.kept_bf16 == {"kda": 27} and summary.grouped_expert_weights == 12
+    off = convert_float8(Glm5Model(get_flavor("debug")), cfg=load_config([]).float8)
+    assert (off.converted_linears, off.grouped_expert_weights) == (0, 0) and off.line().startswith("float8: off")

@@ -1,0 +1,218 @@
+"""FP8 training through torchao with the serving precision split; the one place that decides what runs in FP8.
+
+Each block declares the role of every Linear it owns (`linear_roles`: kda | mla | indexer | mlp | shared_expert |
+mtp) and which Linears it reads only through their weight (`weight_only_linears`: a Float8Linear there would
+silently run in BF16). A Linear is converted to torchao's Float8Linear when its role is not kept BF16, it is called
+as a module, and both its dims divide by 16 (torchao's requirement). The routed experts (`GroupedExperts`) switch to
+torchao's FP8 rowwise grouped GEMM. Never by name: `o_proj` is both a KDA and an MLA projection, `gate` the router,
+the KPool gate and the experts' gate projection. The LM head and the router are not nn.Linear, so never converted.
+Applied once, to the model on the meta device, before AC, compile and FSDP2; parameter names do not change, so
+checkpoints move freely between BF16 and FP8 runs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from torchtitan_glm.config import Float8Config
+
+__all__ = ["Float8Summary", "linear_roles", "fp8_convertible", "convert_float8", "float8_linear_class",
+           "precompute_float8_scales", "configure_inductor_for_float8", "param_precisions", "plain_tensors"]
+
+
+def float8_linear_class() -> type:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return Float8Linear
+
+
+def linear_roles(model: nn.Module) -> dict[str, str]:
+    """fqn -> role of every nn.Linear in `model`, as its owning block declares it; raises for an undeclared one."""
+    roles: dict[str, str] = {}
+    for prefix, module in model.named_modules():
+        for name, role in (getattr(module, "linear_roles", None) or {}).items():
+            child = getattr(module, name, None)
+            if isinstance(child, nn.Linear):
+                roles[f"{prefix}.{name}" if prefix else name] = role
+    undeclared = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in roles]
+    if undeclared:
+        raise ValueError(f"Linear modules without a declared role (add them to their block's linear_roles): "
+                         f"{undeclared[:8]}")
+    return roles
+
+
+def _weight_only(model: nn.Module) -> set[str]:
+    out = set()
+    for prefix, module in model.named_modules():
+        for name in getattr(module, "weight_only_linears", ()) or ():
+            out.add(f"{prefix}.{name}" if prefix else name)
+    return out
+
+
+def fp8_convertible(model: nn.Module, *, keep_bf16: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """fqn -> role of the Linears the split runs in FP8: role not kept BF16, called as a module, dims % 16 == 0."""
+    weight_only = _weight_only(model)
+    modules = dict(model.named_modules())
+    out = {}
+    for fqn, role in linear_roles(model).items():
+        w = modules[fqn].weight
+        if role not in keep_bf16 and fqn not in weight_only and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0:
+            out[fqn] = role
+    return out
+
+
+def _expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    from torchtitan_glm.models.glm5.moe import GroupedExperts
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, GroupedExperts)]
+
+
+def _experts_fp8_ok(experts: nn.Module) -> bool:
+    return all(d % 16 == 0 for d in experts.gate_proj.shape[1:])
+
+
+@dataclass
+class Float8Summary:
+    """What the conversion did, counted from the converted model."""
+
+    recipe: str | None
+    converted_linears: int = 0
+    grouped_expert_weights: int = 0
+    kept_bf16: dict[str, int] = field(default_factory=dict)
+
+    def line(self) -> str:
+        if self.recipe is None:
+            return "float8: off (no module converted)"
+        kept = ", ".join(f"{r}={n}" for r, n in self.kept_bf16.items())
+        return (f"float8: recipe={self.recipe}, converted {self.converted_linears} Linear, "
+                f"{self.grouped_expert_weights} grouped-expert weights; kept BF16 by role: {kept}")
+
+
+def summarize(model: nn.Module, *, recipe: str | None, keep_bf16: list[str] | tuple[str, ...]) -> Float8Summary:
+    """Count converted Linears, FP8 expert weights and BF16-kept Linears per role in `model` as it is now."""
+    f8 = float8_linear_class() if recipe is not None else None
+    modules = dict(model.named_modules())
+    roles = linear_roles(model)
+    converted = sum(1 for m in modules.values() if f8 is not None and isinstance(m, f8))
+    kept = Counter(r for fqn, r in roles.items() if r in keep_bf16 and not (f8 and isinstance(modules[fqn], f8)))
+    experts = sum(3 for _, m in _expert_modules(model) if m.fp8)
+    return Float8Summary(recipe, converted, experts, {r: kept.get(r, 0) for r in keep_bf16})
+
+
+def _linear_config(cfg: Float8Config):
+    from torchao.float8 import Float8LinearConfig
+
+    if cfg.recipe == "tensorwise":
+        return Float8LinearConfig(enable_fsdp_float8_all_gather=cfg.fsdp_float8_all_gather)
+    return Float8LinearConfig.from_recipe_name(cfg.recipe)
+
+
+def convert_float8(model: nn.Module, *, cfg: Float8Config) -> Float8Summary:
+    """Convert `model` in place per `cfg` (a no-op when disabled) and return the counts."""
+    if not cfg.enable:
+        return summarize(model, recipe=None, keep_bf16=cfg.keep_bf16)
+    from torchao.float8 import convert_to_float8_training
+
+    chosen = set(fp8_convertible(model, keep_bf16=cfg.keep_bf16))
+    convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in chosen, config=_linear_config(cfg))
+    if cfg.moe_experts:
+        for _, experts in _expert_modules(model):
+            experts.fp8 = _experts_fp8_ok(experts)
+    return summarize(model, recipe=cfg.recipe, keep_bf16=cfg.keep_bf16)
+
+
+def precompute_float8_scales(model: nn.Module, *, cfg: Float8Config) -> None:
+    """After optimizer.step(): one amax all-reduce for every FP8-all-gathered weight (tensorwise FSDP2 path)."""
+    if cfg.enable and cfg.fsdp_float8_all_gather:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def plain_tensors(state: object) -> object:
+    """`state` (a nested state dict) with torchao's FP8-all-gather weight wrappers replaced by the plain tensors they
+    wrap (same storage, so DCP still loads in place): checkpoints then hold ordinary tensors, which a BF16 run (and
+    torch.load's weights_only) accepts."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return {k: plain_tensors(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [plain_tensors(v) for v in state]
+    if isinstance(state, DTensor):
+        local = state._local_tensor
+        if type(local) is not torch.Tensor and hasattr(local, "_tensor"):
+            return DTensor.from_local(local._tensor, state.device_mesh, state.placements, run_check=False,
+                                      shape=state.shape, stride=state.stride())
+        return state
+    if isinstance(state, torch.Tensor) and type(state) is not torch.Tensor and hasattr(state, "_tensor"):
+        return state._tensor
+    return state
+
+
+def configure_inductor_for_float8(*, cfg: Float8Config) -> None:
+    """Rowwise scaling under inductor needs emulated precision casts (pytorch#150859: NaNs otherwise)."""
+    if cfg.enable and cfg.recipe != "tensorwise":
+        torch._inductor.config.emulate_precision_casts = True
+
+
+def param_precisions(model: nn.Module, *, param_dtype: str = "bfloat16") -> list[dict[str, str]]:
+    """One row per parameter of `model` (names as model.named_parameters() gives them): its role and the precision
+    its GEMM or op computes in, read from the module types the conversion left (Float8Linear, GroupedExperts.fp8,
+    keep_fp32 blocks); `param_dtype` is what FSDP2 casts everything else to."""
+    from torchtitan_glm.models.glm5.dsa import KPoolIndexer
+
+    f8 = _try_float8_linear_class()
+    roles = linear_roles(model)
+    modules = dict(model.named_modules())
+    expert_names = {n for n, _ in _expert_modules(model)}
+    in_indexer = {f"{p}.{n}" if n else p for p, m in modules.items() if isinstance(m, KPoolIndexer)
+                  for n, _ in m.named_modules()}
+    low = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}[param_dtype]
+    rows = []
+    for fqn, _ in model.named_parameters():
+        owner_name, _, leaf = fqn.rpartition(".")
+        owner = modules[owner_name]
+        if owner_name in roles:
+            role = roles[owner_name]
+            precision = _float8_linear_precision(owner) if f8 is not None and isinstance(owner, f8) else low
+        elif owner_name in expert_names:
+            role, precision = "experts", ("fp8-grouped-rowwise" if owner.fp8 else low)
+        else:
+            role = _other_role(owner)
+            if role == "norm" and owner_name in in_indexer:
+                role = "indexer"  # the indexer's key LayerNorm
+            precision = "fp32" if getattr(owner, "keep_fp32", False) else low
+        rows.append({"fqn": fqn, "role": role, "precision": precision})
+    return rows
+
+
+def _try_float8_linear_class() -> type | None:
+    try:
+        return float8_linear_class()
+    except ImportError:
+        return None
+
+
+def _float8_linear_precision(linear: nn.Module) -> str:
+    from torchao.float8.config import ScalingGranularity
+
+    granularity = linear.config.cast_config_weight.scaling_granularity
+    return "fp8-tensorwise" if granularity is ScalingGranularity.TENSORWISE else "fp8-rowwise"
+
+
+def _other_role(owner: nn.Module) -> str:
+    """Role of a parameter outside Linears, experts and the indexer: the kind of block that declares it."""
+    from torchtitan_glm.models.glm5 import dsa, kda, layers, mhc, moe
+
+    kinds = ((mhc.HyperConnection, "mhc"), (mhc.LearnedHcHead, "mhc"), (moe.Router, "router"),
+             (dsa.KPoolAPE, "kpool_ape"), (kda.KDADecay, "kda_decay"), (kda.ShortConv, "short_conv"),
+             (layers.LMHead, "lm_head"), (nn.Embedding, "embedding"))
+    for cls, role in kinds:
+        if isinstance(owner, cls):
+            return role
+    return "norm"
