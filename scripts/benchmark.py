@@ -12,8 +12,8 @@ linear in T). `--scope reference` drops the MTP
 layer and the indexer KL, the scope of the transformers figure in shared/reference/measured_h200.md (trunk + LM
 head + CE). AC `auto` picks selective up to T = 32K and full above. A run that runs out of memory prints a row
 marked OOM and the sweep goes on. A third field `fp8` in a run (`compiled:selective:fp8`) converts the model to the
-FP8 serving split first (`--float8-recipe`). `--profile` adds one profiled step per run and prints its CUDA kernels by total
-time. Prints one JSON line per run and a markdown table; the proxy needs CUDA.
+FP8 serving split first (`--float8-recipe`). `--profile` adds one profiled step per run and prints its CUDA kernels
+by total time. Prints one JSON line per run and a markdown table; the proxy needs CUDA.
 """
 
 from __future__ import annotations

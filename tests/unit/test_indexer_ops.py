@@ -21,7 +21,8 @@ class Layout:
         self.kpool, self.seqlen = kpool, seqlen
         self.last = torch.where(self.pools.used, self.pools.start + kpool - 1, seqlen)
         t = torch.arange(seqlen)
-        self.valid = (self.last[:, None, :] <= t[None, :, None]) & (self.pools.key[:, None, :] == self.doc.key[:, :, None])
+        same_doc = self.pools.key[:, None, :] == self.doc.key[:, :, None]
+        self.valid = (self.last[:, None, :] <= t[None, :, None]) & same_doc
 
 
 def _doc_ids(seqlen: int) -> torch.Tensor:

@@ -63,10 +63,12 @@ def indexer_kl_sparse_tiled(
     num_slots, k = pk.shape[1], pool_ids.shape[-1]
     n_all = bsz * seqlen
     ct = torch.promote_types(q.dtype, torch.float32)
-    qf, wf, pkf = q.reshape(n_all, heads_i, dim_i).to(ct), w.reshape(n_all, heads_i).to(ct), pk.reshape(-1, dim_i).to(ct)
+    qf, wf = q.reshape(n_all, heads_i, dim_i).to(ct), w.reshape(n_all, heads_i).to(ct)
+    pkf = pk.reshape(-1, dim_i).to(ct)
     offset = (torch.arange(bsz, device=q.device) * num_slots).view(bsz, 1, 1)
     gp = torch.where(pool_ids >= 0, pool_ids + offset, -1).view(n_all, k)
-    aq, akv = attn_q.reshape(n_all, *attn_q.shape[2:]).to(ct), attn_kv.reshape(n_all, -1).to(ct)
+    # The latent [T, R] is cast once; the queries [T, H, R] (H times larger) per tile.
+    aq, akv = attn_q.reshape(n_all, *attn_q.shape[2:]), attn_kv.reshape(n_all, -1).to(ct)
     gi = _flat_indices(indices)
     kl_sum, rows = torch.zeros((), dtype=ct, device=q.device), torch.zeros((), dtype=ct, device=q.device)
     dq, dw, dpk = (torch.zeros_like(qf), torch.zeros_like(wf), torch.zeros_like(pkf)) if need_grad else (None,) * 3
@@ -80,7 +82,8 @@ def indexer_kl_sparse_tiled(
         with torch.no_grad():
             idx = gi[s:e]
             kvg = akv[idx.clamp(min=0)]  # [n, K, R]
-            logits = (torch.bmm(aq[s:e], kvg.transpose(1, 2)) * scale).masked_fill((idx < 0)[:, None], float("-inf"))
+            logits = torch.bmm(aq[s:e].to(ct), kvg.transpose(1, 2)) * scale
+            logits = logits.masked_fill((idx < 0)[:, None], float("-inf"))
             probs = torch.nan_to_num(logits.softmax(-1), nan=0.0).sum(1)  # [n, K]; queries with no token: 0
             mass = probs[:, : k * kpool].reshape(-1, k, kpool).sum(-1) * support
         kl, n_rows, dscores = _kl_tile(scores, support, mass, need_grad)
@@ -106,7 +109,7 @@ def indexer_kl_dense_tiled(
     num_slots = pk.shape[1]
     ct = torch.promote_types(q.dtype, torch.float32)
     qc, wc, pkc = q.to(ct), w.to(ct), pk.to(ct)
-    aq, akv = attn_q.to(ct), attn_kv.to(ct)
+    akv = attn_kv.to(ct)  # the latent [B, T, R] once; the queries [B, T, H, R] (H times larger) per tile
     kl_sum, rows = torch.zeros((), dtype=ct, device=q.device), torch.zeros((), dtype=ct, device=q.device)
     dq, dw, dpk = (torch.zeros_like(qc), torch.zeros_like(wc), torch.zeros_like(pkc)) if need_grad else (None,) * 3
     slot_tokens = pool_start.unsqueeze(-1) + torch.arange(kpool, device=q.device)  # [B, P, kpool]
@@ -117,7 +120,7 @@ def indexer_kl_dense_tiled(
             t = torch.arange(t0, t1, device=q.device)
             allowed = (torch.arange(t1, device=q.device)[None, :] <= t[:, None]) & (
                 doc_key[b, None, :t1] == doc_key[b, t0:t1, None])
-            logits = torch.matmul(aq[b, t0:t1], akv[b, :t1].t()) * scale  # [n, H, t1]
+            logits = torch.matmul(attn_q[b, t0:t1].to(ct), akv[b, :t1].t()) * scale  # [n, H, t1]
             probs = logits.masked_fill(~allowed[:, None], float("-inf")).softmax(-1).sum(1)  # [n, t1]
             tokens = slot_tokens[b, :width].clamp(max=t1 - 1).flatten()  # slots ending past t1 are not visible
             mass = probs[:, tokens].view(-1, width, kpool).sum(-1) * support
