@@ -49,7 +49,8 @@ def _tile_probs(q: Tensor, kvg: Tensor, valid: Tensor, lse: Tensor, scale: float
 
 
 def sparse_mla_reference(q: Tensor, kv: Tensor, indices: Tensor, *, scale: float) -> tuple[Tensor, Tensor]:
-    """(out [B, T, H, D] in q's dtype, lse [B, T, H] in FP32, FP64 for FP64 inputs), in query tiles."""
+    """(out [B, T, H, D] in q's dtype and memory layout, lse [B, T, H] in FP32, FP64 for FP64 inputs), in query
+    tiles."""
     bsz, seqlen, heads, dim = q.shape
     k = indices.shape[-1]
     ct = _compute_dtype(q)
@@ -69,7 +70,7 @@ def sparse_mla_reference(q: Tensor, kv: Tensor, indices: Tensor, *, scale: float
         denom = ex.sum(-1, keepdim=True)
         out[s:e] = (torch.bmm(ex, kvg) / denom.clamp_min(torch.finfo(ct).tiny)).to(out.dtype)
         lse[s:e] = (m + denom.log()).squeeze(-1)  # -inf where no key is valid
-    return out.view(bsz, seqlen, heads, dim), lse.view(bsz, seqlen, heads)
+    return torch.empty_like(q).copy_(out.view(q.shape)), lse.view(bsz, seqlen, heads)
 
 
 def sparse_mla_reference_bwd(
@@ -98,7 +99,13 @@ def sparse_mla_reference_bwd(
         dq[s:e] = torch.bmm(ds, kvg) * scale
         contrib = torch.bmm(ds.transpose(1, 2), qt) * scale + torch.bmm(p.transpose(1, 2), dot)  # [n, K, D]
         dkv.index_add_(0, idx.clamp(min=0).flatten(), contrib.flatten(0, 1))  # invalid slots add exact zeros
-    return dq.view_as(q).to(q.dtype), dkv.view_as(kv).to(kv.dtype)
+    return torch.empty_like(q).copy_(dq.view(q.shape)), dkv.view(kv.shape).to(kv.dtype)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x when its last dim is contiguous (e.g. the head-major view the absorbing einsum returns; copying it would
+    cost 8 GiB at T = 128K on the proxy), else a contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _check(q: Tensor, kv: Tensor, indices: Tensor) -> None:
@@ -141,7 +148,7 @@ def _sparse_mla_fwd_cuda(q, kv, indices, scale):
 
 @sparse_mla_fwd.register_fake
 def _sparse_mla_fwd_fake(q, kv, indices, scale):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=_compute_dtype(q))
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=_compute_dtype(q))  # out in q's layout
 
 
 @torch.library.custom_op("torchtitan_glm::sparse_mla_bwd", mutates_args=(), device_types="cpu")
@@ -165,8 +172,7 @@ def _sparse_mla_bwd_cuda(dout, q, kv, indices, out, lse, scale):
 
 @sparse_mla_bwd.register_fake
 def _sparse_mla_bwd_fake(dout, q, kv, indices, out, lse, scale):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(kv, memory_format=torch.contiguous_format))
+    return torch.empty_like(q), torch.empty_like(kv, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -179,7 +185,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dout, _dlse):
     q, kv, indices, out, lse = ctx.saved_tensors
-    dq, dkv = torch.ops.torchtitan_glm.sparse_mla_bwd(dout.contiguous(), q, kv, indices, out, lse, ctx.scale)
+    dq, dkv = torch.ops.torchtitan_glm.sparse_mla_bwd(_rows(dout), q, kv, indices, out, lse, ctx.scale)
     return dq, dkv, None, None
 
 
@@ -187,7 +193,8 @@ torch.library.register_autograd("torchtitan_glm::sparse_mla_fwd", _backward, set
 
 
 def sparse_mla(q: Tensor, kv: Tensor, indices: Tensor, *, scale: float) -> Tensor:
-    """Attention of each query's H heads over its gathered latent tokens (see module docstring): [B, T, H, D]."""
+    """Attention of each query's H heads over its gathered latent tokens (see module docstring): [B, T, H, D] in q's
+    memory layout (any layout whose last dim is contiguous is used as it is)."""
     _check(q, kv, indices)
-    out, _ = torch.ops.torchtitan_glm.sparse_mla_fwd(q.contiguous(), kv.contiguous(), indices.contiguous(), scale)
+    out, _ = torch.ops.torchtitan_glm.sparse_mla_fwd(_rows(q), kv.contiguous(), indices.contiguous(), scale)
     return out

@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .sparse_mla import _rows
+
 __all__ = ["sparse_mla_fwd_triton", "sparse_mla_bwd_triton"]
 
 _LOG2E = 1.4426950408889634
@@ -93,21 +95,21 @@ def _fwd_kernel(
 def _bwd_kernel(
     Q, KV, IDX, OUT, DO, LSE, DQ, DKV,
     T, H, scale, scale_log2e,
-    sq_b, sq_t, sq_h, skv_b, skv_t, si_b, si_t, sl_b, sl_t,
+    sq_b, sq_t, sq_h, so_b, so_t, so_h, sdo_b, sdo_t, sdo_h, sdq_b, sdq_t, sdq_h, skv_b, skv_t, si_b, si_t, sl_b, sl_t,
     K: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # q, out, do, dq share q's strides; dkv shares kv's.
+    # dkv (FP32) shares kv's strides.
     pid = tl.program_id(0)
     b = (pid // T).to(tl.int64)
     t = (pid % T).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mh, md = offs_h < H, offs_d < D
-    qo = b * sq_b + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :]
-    q = tl.load(Q + qo, mask=mh[:, None] & md[None, :], other=0.0)
-    do = tl.load(DO + qo, mask=mh[:, None] & md[None, :], other=0.0)
-    o = tl.load(OUT + qo, mask=mh[:, None] & md[None, :], other=0.0)
+    mhd = mh[:, None] & md[None, :]
+    q = tl.load(Q + b * sq_b + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :], mask=mhd, other=0.0)
+    do = tl.load(DO + b * sdo_b + t * sdo_t + offs_h[:, None] * sdo_h + offs_d[None, :], mask=mhd, other=0.0)
+    o = tl.load(OUT + b * so_b + t * so_t + offs_h[:, None] * so_h + offs_d[None, :], mask=mhd, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # rowsum(dO * O) per head
     lse = tl.load(LSE + b * sl_b + t * sl_t + offs_h, mask=mh, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # empty rows: p = 0
@@ -129,7 +131,8 @@ def _bwd_kernel(
         dkv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
         tl.atomic_add(dkv_row + idx[:, None] * skv_t + offs_d[None, :], dkv, mask=valid[:, None] & md[None, :],
                       sem="relaxed")
-    tl.store(DQ + qo, (dq * scale).to(DQ.dtype.element_ty), mask=mh[:, None] & md[None, :])
+    dq_ptr = DQ + b * sdq_b + t * sdq_t + offs_h[:, None] * sdq_h + offs_d[None, :]
+    tl.store(dq_ptr, (dq * scale).to(DQ.dtype.element_ty), mask=mhd)
 
 
 _fwd_tuned = triton.autotune(_FWD_CONFIGS, key=["H", "K", "D"], prune_configs_by={"early_config_prune": _prune})(
@@ -147,8 +150,8 @@ def sparse_mla_fwd_triton(q: Tensor, kv: Tensor, indices: Tensor, *, scale: floa
     """(out, lse FP32). `config` ({"BLOCK_H", "BLOCK_K", "num_warps", "num_stages"}) skips autotuning."""
     bsz, seqlen, heads, dim = q.shape
     k = indices.shape[-1]
-    q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
-    out = torch.empty_like(q)
+    q, kv, indices = _rows(q), kv.contiguous(), indices.contiguous()
+    out = torch.empty_like(q)  # q's layout
     lse = torch.empty(bsz, seqlen, heads, dtype=torch.float32, device=q.device)
     args = (q, kv, indices, out, lse, seqlen, heads, scale * _LOG2E,
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
@@ -167,14 +170,14 @@ def sparse_mla_bwd_triton(dout: Tensor, q: Tensor, kv: Tensor, indices: Tensor, 
     """(dq, dkv): dkv accumulated in FP32 with atomics, then cast to kv's dtype."""
     bsz, seqlen, heads, dim = q.shape
     k = indices.shape[-1]
-    q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
-    dout, out = dout.contiguous(), out.contiguous()
+    q, kv, indices = _rows(q), kv.contiguous(), indices.contiguous()
+    dout, out = _rows(dout), _rows(out)
     lse = lse.float().contiguous()
-    dq = torch.empty_like(q)
+    dq = torch.empty_like(q)  # q's layout
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     args = (q, kv, indices, out, dout, lse, dq, dkv, seqlen, heads, scale, scale * _LOG2E,
-            q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
-            lse.stride(0), lse.stride(1))
+            *q.stride()[:3], *out.stride()[:3], *dout.stride()[:3], *dq.stride()[:3], kv.stride(0), kv.stride(1),
+            indices.stride(0), indices.stride(1), lse.stride(0), lse.stride(1))
     meta = dict(K=k, D=dim, BLOCK_D=triton.next_power_of_2(dim), PRECISION=_precision(q))
     if config is None:
         grid = lambda m: (bsz * seqlen, triton.cdiv(heads, m["BLOCK_H"]))  # noqa: E731
