@@ -38,8 +38,9 @@ def query_tiles(bsz: int, seqlen: int, num_slots: int, *, tile: int, kpool: int)
 
 
 def index_scores(q: Tensor, w: Tensor, pk: Tensor) -> tuple[Tensor, Tensor]:
-    """(I [n, W], relu'd per-head scores [n, H, W]) for q [n, H, d], w [n, H], pk [W, d]; in q's dtype."""
-    r = torch.relu(torch.matmul(q, pk.t()) * q.shape[-1] ** -0.5)
+    """(I [n, W], relu'd per-head scores [n, H, W]) for q [n, H, d], w [n, H], pk [W, d]; in q's dtype. No autograd
+    (in-place on the [n, H, W] tile)."""
+    r = torch.matmul(q, pk.t()).mul_(q.shape[-1] ** -0.5).relu_()
     return torch.matmul(w.unsqueeze(-2), r).squeeze(-2), r
 
 
