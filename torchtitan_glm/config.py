@@ -137,6 +137,9 @@ class ModelConfig(_Section):
         self._choice("flavor", sorted(FLAVORS))
         if self.hf_config:
             self._path_exists("hf_config", self.hf_config)
+            problem = hf_model_type_problem(self.hf_config)
+            if problem:
+                self._fail("hf_config", problem)
         try:
             self.model_args()
         except ModelArgsError as e:
@@ -158,7 +161,10 @@ class TrainingConfig(_Section):
     steps: optimizer steps to run (also the LR schedule length); seq_len: tokens per row;
     local_batch_size: rows per data-parallel rank per step; max_norm: global gradient-norm clip (> 0);
     mixed_precision_param / mixed_precision_reduce: FSDP2 MixedPrecisionPolicy param and gradient-reduce dtypes;
-    deterministic: use deterministic algorithms (torch.use_deterministic_algorithms) for reproducible runs.
+    deterministic: use deterministic algorithms (torch.use_deterministic_algorithms) for reproducible runs;
+    on_nonfinite: what a non-finite loss or gradient norm does: "stop" (exit non-zero naming the step and the
+    batch's documents; that state is never saved) or "skip" (drop the step's update, count it in TensorBoard as
+    skipped_steps); max_consecutive_nonfinite: with "skip", stop after this many non-finite steps in a row.
     """
 
     SECTION: ClassVar[str] = "training"
@@ -169,6 +175,8 @@ class TrainingConfig(_Section):
     mixed_precision_param: str = "bfloat16"
     mixed_precision_reduce: str = "float32"
     deterministic: bool = False
+    on_nonfinite: str = "stop"
+    max_consecutive_nonfinite: int = 5
 
     def validate(self) -> None:
         self._require(self.steps >= 1, "steps", "must be >= 1")
@@ -177,6 +185,8 @@ class TrainingConfig(_Section):
         self._require(math.isfinite(self.max_norm) and self.max_norm > 0, "max_norm", "must be a finite number > 0")
         self._choice("mixed_precision_param", _DTYPES)
         self._choice("mixed_precision_reduce", _DTYPES)
+        self._choice("on_nonfinite", ("stop", "skip"))
+        self._require(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite", "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -187,7 +197,10 @@ class DataConfig(_Section):
     per file) or "bin" (pre-tokenized, documents separated by the tokenizer's eos); paths: files or directories
     for jsonl/txt/bin (must be empty for builtin); tokenizer: "byte" (built-in byte-level) or a tokenizer.json
     path (or a directory holding one); text_key: the jsonl field holding the text; bin_dtype: "uint16" or
-    "uint32" element type of .bin files; add_eos: append eos after each text document (bin files already hold it).
+    "uint32" element type of .bin files (their token ids are checked against the model's vocab_size at start);
+    add_eos: append eos after each text document (bin files already hold it); errors: txt files that are not valid
+    UTF-8: "strict" (stop at start, naming the file and byte), "skip" (leave them out, with a warning) or "replace"
+    (decode bad bytes as U+FFFD).
     """
 
     SECTION: ClassVar[str] = "data"
@@ -197,6 +210,7 @@ class DataConfig(_Section):
     text_key: str = "text"
     bin_dtype: str = "uint16"
     add_eos: bool = True
+    errors: str = "strict"
 
     def validate(self) -> None:
         self._choice("source", ("builtin", "jsonl", "txt", "bin"))
@@ -212,6 +226,7 @@ class DataConfig(_Section):
                 self._fail("tokenizer", f"directory {self.tokenizer} has no tokenizer.json")
         self._require(bool(self.text_key), "text_key", "must be non-empty")
         self._choice("bin_dtype", ("uint16", "uint32"))
+        self._choice("errors", ("strict", "skip", "replace"))
 
 
 @dataclass(frozen=True)
@@ -356,6 +371,27 @@ class Float8Config(_Section):
         self._require(len(set(self.keep_bf16)) == len(self.keep_bf16), "keep_bf16", "has duplicates")
 
 
+_HF_MODEL_TYPES = ("glm5_next", "glm5_next_text")
+
+
+def hf_model_type_problem(path: str) -> str | None:
+    """Why `path` (an HF checkpoint directory or config.json) is not a glm5_next model, or None if it is (or says
+    nothing); checked before its keys are read as model arguments, whose errors would not say this."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"cannot read the HF config {file}: {e}"
+    if not isinstance(hf, dict):
+        return f"{file} is not an HF config (a JSON object)"
+    model_type = hf.get("model_type")
+    if model_type is not None and model_type not in _HF_MODEL_TYPES:
+        return (f"{file} has model_type {model_type!r}: this is not a glm5_next checkpoint (expected model_type "
+                f"{' or '.join(map(repr, _HF_MODEL_TYPES))})")
+    return None
+
+
 @dataclass(frozen=True)
 class CheckpointConfig(_Section):
     """[checkpoint] DCP checkpoints and HF import/export.
@@ -365,7 +401,9 @@ class CheckpointConfig(_Section):
     to start from when the folder holds no checkpoint; initial_load_in_hf: that path is an HF safetensors checkpoint;
     last_save_in_hf: the final save is HF safetensors (needs enable); export_dtype: dtype of HF exports;
     export_fp8: the HF export uses the released FP8 layout (E4M3 + 128x128 block scales for what float8.keep_bf16
-    does not keep, modules_to_not_convert for the rest) for serving.
+    does not keep, modules_to_not_convert for the rest) for serving;
+    load_step: the checkpoint step to resume from (-1: the newest one that verifies; a corrupt or incomplete newer
+    one is reported and skipped).
     """
 
     SECTION: ClassVar[str] = "checkpoint"
@@ -379,6 +417,7 @@ class CheckpointConfig(_Section):
     last_save_in_hf: bool = False
     export_dtype: str = "bfloat16"
     export_fp8: bool = False
+    load_step: int = -1
 
     def validate(self) -> None:
         self._require(bool(self.folder), "folder", "must be non-empty")
@@ -389,6 +428,11 @@ class CheckpointConfig(_Section):
             self._path_exists("initial_load_path", self.initial_load_path)
         if self.initial_load_in_hf and not self.initial_load_path:
             self._fail("initial_load_in_hf", "is true but checkpoint.initial_load_path is empty")
+        if self.initial_load_in_hf:
+            problem = hf_model_type_problem(self.initial_load_path)
+            if problem:
+                self._fail("initial_load_path", problem)
+        self._require(self.load_step == -1 or self.load_step >= 1, "load_step", "must be -1 (newest) or >= 1")
         if self.last_save_in_hf and not self.enable:
             self._fail("last_save_in_hf", "is true but checkpoint.enable is false (nothing is saved)")
         self._choice("export_dtype", _DTYPES)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -14,7 +15,7 @@ from torchtitan_glm.models.glm5.dsa import DocLayout, IndexerStats, pool_last, p
 from torchtitan_glm.models.glm5.model import mtp_targets
 from torchtitan_glm.models.glm5.moe import MoE
 from torchtitan_glm.models.glm5.seqinfo import doc_positions
-from torchtitan_glm.ops.indexer_kl import indexer_kl_dense
+from torchtitan_glm.ops.indexer_kl import indexer_kl_dense, indexer_kl_sparse
 from torchtitan_glm.ops.linear_cross_entropy import linear_cross_entropy
 
 
@@ -130,6 +131,43 @@ def test_dense_indexer_kl_matches_direct_computation():
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
     unseen = [p for p in range(slots) if p not in seen]
     assert unseen and grads[2][0, unseen].abs().max() == 0 and grads[2].abs().max() > 0
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_indexer_kl_is_nan_when_attention_is_nan(mode):
+    """NaN attention upstream (e.g. a diverged run) must show as a NaN KL, not as 0 (it used to log 0); so must NaN
+    index scores."""
+    torch.manual_seed(0)
+    t, kpool = 12, 2
+    doc = DocLayout(*doc_positions(None, 1, t, torch.device("cpu")))
+    pools = pool_layout(doc, kpool)
+    slots = pools.start.shape[1]
+    q, w, pk = torch.randn(1, t, 2, 4), torch.randn(1, t, 2), torch.randn(1, slots, 4)
+    attn_q, attn_kv = torch.randn(1, t, 3, 8), torch.randn(1, t, 8)
+    last = pool_last(pools, kpool, doc)
+    # Sparse form: every visible pool selected (3 at most), then the query's tail.
+    pool_ids = torch.full((1, t, 3), -1)
+    for i in range(t):
+        vis = [p for p in range(slots) if int(last[0, p]) <= i][:3]
+        pool_ids[0, i, : len(vis)] = torch.tensor(vis, dtype=torch.long)
+    tokens = torch.where(pool_ids[..., None] >= 0, pools.start[0, pool_ids.clamp(min=0)][..., None]
+                         + torch.arange(kpool), -1).flatten(2)
+    tail = torch.where((torch.arange(t) % kpool == 0)[None, :, None], torch.arange(t)[None, :, None], -1)
+    indices = torch.cat([tokens, tail], -1).int()
+
+    def kl(q, w, pk, attn_q):
+        if mode == "dense":
+            out = indexer_kl_dense(q, w, pk, pools.start, last, pools.key, doc.key, attn_q, attn_kv, 0.5, kpool, 4,
+                                   False)
+        else:
+            out = indexer_kl_sparse(q, w, pk, pool_ids, attn_q, attn_kv, indices, 0.5, kpool, 4, False)
+        return indexer_kl_loss([IndexerStats(out[0], out[1])])
+
+    finite = kl(q, w, pk, attn_q)
+    assert torch.isfinite(finite) and finite > 0
+    nan = float("nan")
+    for args in ((q, w, pk, torch.full_like(attn_q, nan)), (torch.full_like(q, nan), w, pk, attn_q)):
+        assert torch.isnan(kl(*args))
 
 
 def test_router_bias_moves_toward_balance():

@@ -32,7 +32,8 @@ def _kl_tile(scores: Tensor, support: Tensor, mass: Tensor, need_grad: bool) -> 
     """(KL sum, counted rows, d KL / d scores or None) of one tile; mass [n, W] >= 0 is zero off the support."""
     target = mass / mass.sum(-1, keepdim=True).clamp_min(1e-20)
     logq = torch.log_softmax(scores.masked_fill(~support, float("-inf")), dim=-1)
-    terms = torch.where(target > 0, target * (torch.log(target.clamp_min(1e-30)) - logq), torch.zeros_like(target))
+    # `target != 0` rather than `> 0`: a NaN target (NaN attention upstream) must make the KL NaN, not 0.
+    terms = torch.where(target != 0, target * (torch.log(target.clamp_min(1e-30)) - logq), torch.zeros_like(target))
     rows = support.any(-1)  # rows without support have target 0, hence terms 0
     kl = terms.sum()
     grad = None
@@ -84,7 +85,8 @@ def indexer_kl_sparse_tiled(
             kvg = akv[idx.clamp(min=0)]  # [n, K, R]
             logits = torch.bmm(aq[s:e].to(ct), kvg.transpose(1, 2)) * scale
             logits = logits.masked_fill((idx < 0)[:, None], float("-inf"))
-            probs = torch.nan_to_num(logits.softmax(-1), nan=0.0).sum(1)  # [n, K]; queries with no token: 0
+            any_token = (idx >= 0).any(-1)[:, None, None]  # queries with no token: 0, not the softmax's NaN
+            probs = torch.where(any_token, logits.softmax(-1), torch.zeros_like(logits)).sum(1)  # [n, K]
             mass = probs[:, : k * kpool].reshape(-1, k, kpool).sum(-1) * support
         kl, n_rows, dscores = _kl_tile(scores, support, mass, need_grad)
         kl_sum, rows = kl_sum + kl, rows + n_rows
