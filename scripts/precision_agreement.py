@@ -27,6 +27,7 @@ from torchtitan_glm.components.tokenizer import build_tokenizer  # noqa: E402
 from torchtitan_glm.config import DataConfig, Float8Config  # noqa: E402
 from torchtitan_glm.float8 import convert_float8  # noqa: E402
 from torchtitan_glm.models.glm5 import Glm5Model, from_pretrained, get_flavor  # noqa: E402
+from torchtitan_glm.models.glm5.dsa import SparseMLA  # noqa: E402
 from torchtitan_glm.models.glm5.hf_io import _cast_for_load  # noqa: E402
 
 VARIANTS = {"fp8_split": ["indexer", "mla", "kda"], "fp8_all": []}
@@ -45,10 +46,22 @@ def corpus_batch(seq_len: int, vocab: int) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def run(model: Glm5Model, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list]:
-    """(final hidden states [T, D], per DSA layer the selected-pool mask, the LM head weight) of one forward."""
-    out = model.hidden_states(batch["input_ids"].to(device), doc_ids=batch["doc_ids"].to(device), with_mtp=False,
-                              collect_indexer_stats=True)
-    return out.hidden.flatten(0, 1), [s.selected & s.valid for s in out.indexer_stats], model.lm_head.weight
+    """(final hidden states [T, D], per DSA layer with an indexer the tokens of its selected pools [T, k * kpool]
+    (-1 = none; the query's tail, the same in every variant, left out), the LM head weight) of one forward."""
+    selected = []
+
+    def keep(module, args, output) -> None:
+        indices = output[1]
+        tail = module.kpool - 1 if module.indexer.always_select_tail else 0
+        selected.append(indices[..., : indices.shape[-1] - tail].flatten(0, 1).long())
+
+    hooks = [m.register_forward_hook(keep) for m in model.modules() if isinstance(m, SparseMLA) and m.indexer is not None]
+    try:
+        out = model.hidden_states(batch["input_ids"].to(device), doc_ids=batch["doc_ids"].to(device), with_mtp=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out.hidden.flatten(0, 1), selected, model.lm_head.weight
 
 
 @torch.no_grad()
@@ -70,9 +83,12 @@ def compare(ref: tuple, other: tuple, *, chunk: int = 1024) -> dict[str, object]
     sx, sy, sxx, syy, sxy = sums.tolist()
     cov, vx, vy = sxy - sx * sy / n, sxx - sx * sx / n, syy - sy * sy / n
     overlaps = []
-    for a, b in zip(sel_a, sel_b):
-        rows = a.sum(-1) > 0
-        overlaps.append(float(((a & b).sum(-1)[rows].float() / a.sum(-1)[rows].float()).mean()))
+    for a, b in zip(sel_a, sel_b):  # |A & B| / |A| per query, over queries that selected something
+        bs = b.sort(-1).values
+        hit = (bs.gather(-1, torch.searchsorted(bs, a).clamp(max=bs.shape[-1] - 1)) == a) & (a >= 0)
+        count = (a >= 0).sum(-1)
+        rows = count > 0
+        overlaps.append(float((hit.sum(-1)[rows].float() / count[rows].float()).mean()))
     tokens = ha.shape[0]
     return {"pearson": cov / (vx * vy) ** 0.5, "top1_agreement": top1 / tokens, "mean_kl": kl / tokens,
             "indexer_topk_overlap": overlaps}

@@ -286,9 +286,12 @@ class LossConfig(_Section):
     mtp_weight: weight of the multi-token-prediction CE; indexer_kl_coeff: weight of the DSA indexer KL loss;
     indexer_stage: "sparse" (top-k attention, everything trains) or "dense_warmup" (dense attention, only the
     indexer trains; sets the model's dsa_attention="dense"); indexer_sparse_loss: restrict the KL to the selected
-    set (sparse stage only); router_bias_update_rate: aux-loss-free expert-bias step; seq_aux_loss_coeff: weight of
-    the per-sequence balance loss (0 disables); ce_chunk_size: tokens per cross-entropy chunk, so logits of at most
-    this many tokens exist at once.
+    pools, against the sparse attention's own probabilities (sparse stage only; linear in T, where the default KL
+    over all visible pools needs dense attention probabilities, O(T^2) work); router_bias_update_rate:
+    aux-loss-free expert-bias step; seq_aux_loss_coeff: weight of the per-sequence balance loss (0 disables);
+    ce_chunk_size: tokens per cross-entropy chunk, so logits of at most this many tokens exist at once;
+    indexer_tile_elements: elements (FP32: 4 bytes) one working tensor of the DSA
+    indexer's tiled top-k and KL may hold; larger tiles mean fewer kernel launches (GPU), smaller ones less memory.
     """
 
     SECTION: ClassVar[str] = "loss"
@@ -299,6 +302,7 @@ class LossConfig(_Section):
     router_bias_update_rate: float = 1e-3
     seq_aux_loss_coeff: float = 0.0
     ce_chunk_size: int = 4096
+    indexer_tile_elements: int = 1 << 26
 
     def validate(self) -> None:
         for key in ("mtp_weight", "indexer_kl_coeff", "router_bias_update_rate", "seq_aux_loss_coeff"):
@@ -312,6 +316,7 @@ class LossConfig(_Section):
             self._fail("indexer_kl_coeff", "must be > 0 in loss.indexer_stage='dense_warmup': the indexer KL is "
                        "the only trained objective there")
         self._require(self.ce_chunk_size >= 1, "ce_chunk_size", "must be >= 1")
+        self._require(self.indexer_tile_elements >= 1, "indexer_tile_elements", "must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ def build_model_args(cfg: JobConfig) -> Glm5ModelArgs:
     stage = "dense" if cfg.loss.indexer_stage == "dense_warmup" else "sparse"
     if cfg.loss.mtp_weight == 0:
         args = args.replace(num_nextn_predict_layers=0)
-    return args.replace(dsa_attention=stage)
+    return args.replace(dsa_attention=stage, indexer_tile_elements=cfg.loss.indexer_tile_elements)
 
 
 def _model_source(cfg: JobConfig) -> str:
@@ -193,14 +193,15 @@ class Trainer:
         mtp_scale = cfg.mtp_weight * losses.token_scale(mtp_count, dp_size=self.dp_size) if use_mtp else 0.0
         use_kl = cfg.indexer_kl_coeff > 0 and self.args.num_dsa_layers > 0
         out = self.model(tokens, doc_ids=doc_ids, labels=labels, token_scale=scale, mtp_scale=mtp_scale,
-                         collect_indexer_stats=use_kl, seq_aux=cfg.seq_aux_loss_coeff > 0,
+                         collect_indexer_stats=use_kl, indexer_sparse_loss=cfg.indexer_sparse_loss,
+                         seq_aux=cfg.seq_aux_loss_coeff > 0,
                          ce_chunk_size=cfg.ce_chunk_size)
         # Sparse stage: everything trains on CE + MTP (+ KL for the indexer). Dense warm-up: only the indexer's
         # parameters require grad, and the KL is its objective; the CE is still computed, for the log.
         total = out.loss if cfg.indexer_stage == "sparse" else out.loss.new_zeros(())
         kl = None
         if use_kl:
-            kl = losses.indexer_kl_loss(out.indexer_stats, sparse=cfg.indexer_sparse_loss)
+            kl = losses.indexer_kl_loss(out.indexer_stats, dp_size=self.dp_size, group=self.dp_group)
             total = total + cfg.indexer_kl_coeff * kl
         if cfg.seq_aux_loss_coeff > 0 and out.moe_stats:
             total = total + cfg.seq_aux_loss_coeff * losses.sequence_aux_loss(out.moe_stats)

@@ -43,7 +43,7 @@ def step_loss(model, tokens, labels, doc_ids, *, dp: int, group):
     count, mtp_count = losses.global_token_counts(labels, mtp_targets(labels), group=group)
     out = model(tokens, doc_ids=doc_ids, labels=labels, token_scale=losses.token_scale(count, dp_size=dp),
                 mtp_scale=0.1 * losses.token_scale(mtp_count, dp_size=dp), collect_indexer_stats=True)
-    kl = losses.indexer_kl_loss(out.indexer_stats, sparse=False)
+    kl = losses.indexer_kl_loss(out.indexer_stats, dp_size=dp, group=group)
     return out.loss + kl, out, kl
 
 
@@ -96,12 +96,9 @@ def main() -> None:
     rows = slice(dp_rank * local_rows, (dp_rank + 1) * local_rows)
     for step in range(STEPS):
         tokens, labels, doc_ids = global_batch(step)
-        # one process, whole batch; the KL is a per-rank mean that data parallelism averages: the same split here
-        ref_total, ref_out, _ = step_loss(ref, tokens, labels, doc_ids, dp=1, group=alone)
-        ref_kl = sum(losses.indexer_kl_loss([s._replace(**{f: getattr(s, f)[r * local_rows:(r + 1) * local_rows]
-                                                          for f in s._fields}) for s in ref_out.indexer_stats],
-                                            sparse=False) for r in range(dims.dp)) / dims.dp
-        (ref_out.loss + ref_kl).backward()
+        # one process, whole batch: the KL is a global per-query mean, as the layout's ranks compute it together
+        ref_total, ref_out, ref_kl = step_loss(ref, tokens, labels, doc_ids, dp=1, group=alone)
+        ref_total.backward()
         ref_norm = clip_grad_norm_([p for p in ref.parameters()], 1e9)
 
         total, out, kl = step_loss(model, tokens[rows], labels[rows], doc_ids[rows], dp=dims.dp, group=dp_cp)

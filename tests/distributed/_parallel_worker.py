@@ -50,7 +50,7 @@ def main() -> None:
         labels = torch.roll(tokens, -1, 1)
         out = model(tokens, labels=labels, token_scale=1.0 / labels.numel(), mtp_scale=0.1 / labels.numel(),
                     collect_indexer_stats=True)
-        (out.loss + indexer_kl_loss(out.indexer_stats, sparse=False)).backward()
+        (out.loss + indexer_kl_loss(out.indexer_stats)).backward()
         sync.allreduce_grads()
         opt.step()
         opt_rep.step()

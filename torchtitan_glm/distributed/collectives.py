@@ -20,3 +20,21 @@ def all_gather_autograd(x: Tensor, *, dim: int, group: dist.ProcessGroup) -> Ten
         return out
     world = dist.get_world_size(group)
     return torch.cat(out.chunk(world, dim=0), dim=dim)
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group (a replicated input feeding rank-local heads)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return funcol.all_reduce(grad.contiguous(), "sum", ctx.group), None
+
+
+def sum_grad_over(x: Tensor, *, group: dist.ProcessGroup) -> Tensor:
+    """x unchanged; its gradient becomes the sum over the group's ranks (each rank computes with its own heads)."""
+    return _SumGradOverGroup.apply(x, group)
