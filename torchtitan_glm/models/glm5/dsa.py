@@ -22,11 +22,13 @@ from torch import nn
 from torchtitan_glm.distributed.collectives import all_gather_autograd, sum_grad_over
 from torchtitan_glm.ops.indexer_kl import indexer_kl_dense, indexer_kl_sparse
 from torchtitan_glm.ops.indexer_topk import kpool_topk, tile_rows
+from torchtitan_glm.ops.indexer_topk import _stable_topk as stable_topk  # the selection's tie rule, for decode
 from torchtitan_glm.ops.masked_attention import masked_attention
 from torchtitan_glm.ops.sparse_mla import sparse_mla
 
 from .args import Glm5ModelArgs
 from .batch import BatchLayout, DocLayout
+from .cache import IndexerCache, MLACache
 from .indexer_fp8 import fp8_serving_input
 from .layers import RMSNorm, init_linear, local_param
 
@@ -136,14 +138,21 @@ class KPoolIndexer(nn.Module):
         """[B, P, D] pooled keys: per-dimension softmax over each pool's kpool slots (gate + APE, FP32) weighting the
         normalised keys; summed in the keys' dtype (the reference) or in FP32 with one rounding (kpool_fp32_accumulate)."""
         bsz = x.shape[0]
-        k = self.k_norm(self.wk(x))
-        gate = F.linear(x, self.index_kpool_compress_gate)
+        k, gate = self.token_keys(x)
         idx = (pools.start.unsqueeze(-1) + torch.arange(self.kpool, device=x.device)).clamp(max=x.shape[1] - 1)
         rows = torch.arange(bsz, device=x.device).view(bsz, 1, 1)
-        probs = (gate[rows, idx].float() + self.kpool_ape.weight.float()).softmax(dim=2)
+        return self.pool(k[rows, idx], gate[rows, idx])
+
+    def token_keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token: the normalised key and the compression-gate logits, [..., D] each (what a pool combines)."""
+        return self.k_norm(self.wk(x)), F.linear(x, self.index_kpool_compress_gate)
+
+    def pool(self, k: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """[..., kpool, D] keys and gate logits of complete pools -> [..., D] pooled keys (see pooled_keys)."""
+        probs = (gate.float() + self.kpool_ape.weight.float()).softmax(dim=-2)
         if self.fp32_accumulate:
-            return (probs * k[rows, idx].float()).sum(dim=2).to(k.dtype)
-        return (probs.to(k.dtype) * k[rows, idx]).sum(dim=2)
+            return (probs * k.float()).sum(dim=-2).to(k.dtype)
+        return (probs.to(k.dtype) * k).sum(dim=-2)
 
     def head_weights(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, H] FP32 head weights w_h * H^-1/2 (the projection in FP32 with indexer_weights_fp32)."""
@@ -193,6 +202,62 @@ class KPoolIndexer(nn.Module):
         self.k_norm.reset_parameters()
         nn.init.ones_(self.index_kpool_compress_gate)
         self.kpool_ape.init_weights()
+
+    # ------------------------------------------------------------------ decode (models/glm5/decode.py)
+    def prefill_cache(self, x: torch.Tensor, first: torch.Tensor, capacity: int) -> IndexerCache:
+        """The cache after the prompts x[b, first[b]:] (the rows' ends): the pooled keys of their complete pools,
+        computed as training computes them, and the open pool's per-token keys and gate logits."""
+        bsz, seqlen = x.shape[:2]
+        kp, device = self.kpool, x.device
+        k, gate = self.token_keys(x)
+        rows = torch.arange(bsz, device=device).view(bsz, 1, 1)
+        closed = (seqlen - first) // kp  # [B] complete pools of each prompt
+        slots = torch.arange(seqlen // kp, device=device)
+        tokens = (first.view(bsz, 1, 1) + slots.view(1, -1, 1) * kp + torch.arange(kp, device=device)).clamp(
+            max=seqlen - 1)
+        pooled = self.pool(k[rows, tokens], gate[rows, tokens])
+        if self.fp8_emulation:
+            pooled = fp8_serving_input(pooled)
+        pooled = torch.where((slots < closed.unsqueeze(1)).unsqueeze(-1), pooled, 0)
+        pooled = F.pad(pooled, (0, 0, 0, -(-capacity // kp) - pooled.shape[1]))
+        open_tokens = (first + closed * kp).unsqueeze(1) + torch.arange(kp, device=device)  # [B, kpool]
+        in_prompt = (open_tokens < seqlen).unsqueeze(-1)
+        rows = rows.view(bsz, 1)
+        open_tokens = open_tokens.clamp(max=seqlen - 1)
+        return IndexerCache(pooled, torch.where(in_prompt, k[rows, open_tokens], 0),
+                            torch.where(in_prompt, gate[rows, open_tokens], 0))
+
+    def decode(self, x: torch.Tensor, qr: torch.Tensor, cache: IndexerCache, pos: torch.Tensor) -> torch.Tensor:
+        """Token indices [B, 1, K] int32 (prompt positions, -1 = none) for one query per row at positions pos [B]:
+        the token joins the open pool, which is pooled into the cache when this token closes it; then the query
+        scores the closed pools (training's score, selection rule and tail), as training selects for it."""
+        kp = self.kpool
+        rows = torch.arange(x.shape[0], device=x.device)
+        k, gate = self.token_keys(x)
+        slot = pos % kp
+        cache.keys[rows, slot] = k[:, 0].to(cache.keys.dtype)
+        cache.gates[rows, slot] = gate[:, 0].to(cache.gates.dtype)
+        pooled = self.pool(cache.keys, cache.gates)  # [B, D]: the open pool, stored only if this token closes it
+        if self.fp8_emulation:
+            pooled = fp8_serving_input(pooled)
+        num_slots = cache.pooled.shape[1]
+        j = (pos // kp).clamp(max=num_slots - 1)
+        cache.pooled[rows, j] = torch.where((slot == kp - 1).unsqueeze(-1), pooled.to(cache.pooled.dtype),
+                                            cache.pooled[rows, j])
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        if self.fp8_emulation:
+            q = fp8_serving_input(q)
+        per_head = torch.matmul(q[:, 0].float(), cache.pooled.float().transpose(1, 2)).mul_(self.head_dim**-0.5)
+        scores = torch.matmul(self.head_weights(x), per_head.relu_()).squeeze(1)  # [B, P]
+        visible = torch.arange(num_slots, device=x.device) < ((pos + 1) // kp).unsqueeze(1)
+        pool_ids = stable_topk(scores, visible, min(self.select_pools, num_slots))
+        first = pool_ids.unsqueeze(-1) * kp
+        tokens = torch.where(first >= 0, first + torch.arange(kp, device=x.device), -1)
+        parts = [tokens.flatten(1)]
+        if self.always_select_tail:
+            back = torch.arange(kp - 1, device=x.device)
+            parts.append(torch.where(back < ((pos + 1) % kp).unsqueeze(1), pos.unsqueeze(1) - back, -1))
+        return torch.cat(parts, dim=-1).unsqueeze(1).to(torch.int32)
 
 
 def pool_last(pools: PoolLayout, kpool: int, doc: DocLayout) -> torch.Tensor:
@@ -306,3 +371,42 @@ class SparseMLA(nn.Module):
         self.kv_a_layernorm.init_weights()
         if self.indexer is not None:
             self.indexer.init_weights()
+
+    # ------------------------------------------------------------------ decode (models/glm5/decode.py)
+    def prefill(self, x: torch.Tensor, batch: BatchLayout, shared_indices: torch.Tensor | None = None, *,
+                capacity: int) -> tuple[torch.Tensor, torch.Tensor | None, MLACache]:
+        """forward()'s (output, indices) for rows that each end with a prompt (left padding as a document before
+        it), and the cache of each prompt: its latents and the indexer's pools, in prompt positions."""
+        out, indices, _ = self.forward(x, batch, shared_indices)
+        bsz, seqlen = x.shape[:2]
+        first = batch.doc.key[:, -1]  # where each row's last document, its prompt, starts
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)[..., : self.kv_lora_rank])
+        t = first.unsqueeze(1) + torch.arange(capacity, device=x.device)
+        kept = latent.gather(1, t.clamp(max=seqlen - 1).unsqueeze(-1).expand(-1, -1, latent.shape[-1]))
+        cache = torch.where((t < seqlen).unsqueeze(-1), kept, 0)
+        indexer = None if self.indexer is None or self.dense else self.indexer.prefill_cache(x, first, capacity)
+        return out, indices, MLACache(cache, indexer)
+
+    def decode(self, x: torch.Tensor, cache: MLACache, pos: torch.Tensor,
+               shared_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row: x [B, 1, D] at prompt positions pos [B] -> (output, the token indices [B, 1, K] it
+        attended); appends its latent to `cache`. Absorbed MLA over the cached latents, as the sparse forward."""
+        rows = torch.arange(x.shape[0], device=x.device)
+        qr = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(qr).unflatten(-1, (-1, self.qk_dim))
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)[..., : self.kv_lora_rank])
+        cache.latent[rows, pos] = latent[:, 0].to(cache.latent.dtype)
+        w_kv = local_param(self.kv_b_proj.weight).unflatten(0, (-1, self.qk_dim + self.v_dim))
+        w_uk, w_uv = w_kv.split([self.qk_dim, self.v_dim], 1)
+        q_lat = torch.einsum("bthd,hdr->bthr", q, w_uk)
+        if self.dense:  # the dense warm-up: every earlier token of the prompt
+            t = torch.arange(cache.latent.shape[1], device=x.device)
+            indices = torch.where(t <= pos.unsqueeze(1), t, -1).unsqueeze(1).to(torch.int32)
+        elif self.indexer is None:
+            if shared_indices is None:
+                raise ValueError("a 'shared' DSA layer needs the previous layer's selection")
+            indices = shared_indices
+        else:
+            indices = self.indexer.decode(x, qr, cache.indexer, pos)
+        out = torch.einsum("bthr,hvr->bthv", sparse_mla(q_lat, cache.latent, indices, scale=self.scale), w_uv)
+        return self.o_proj(out.flatten(-2)), indices
