@@ -31,18 +31,18 @@ def random_docs(lengths: list[int], vocab: int, seed: int) -> list[torch.Tensor]
 def packed_logits(model, docs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The training forward over the documents packed in one row (cu_seqlens): [n_d, V] per document."""
     lengths = [len(d) for d in docs]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=docs[0].device)
     logits = model.logits(torch.cat(docs).unsqueeze(0), cu)[0]
     return list(logits.split(lengths))
 
 
 def left_pad(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [B, T] left-padded with token 0, lengths [B])."""
+    """(tokens [B, T] left-padded with token 0, lengths [B]), on the prompts' device."""
     width = max(len(p) for p in prompts)
-    tokens = torch.zeros(len(prompts), width, dtype=torch.long)
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=prompts[0].device)
     for b, p in enumerate(prompts):
         tokens[b, width - len(p):] = p
-    return tokens, torch.tensor([len(p) for p in prompts])
+    return tokens, torch.tensor([len(p) for p in prompts], device=prompts[0].device)
 
 
 @torch.no_grad()
@@ -58,7 +58,7 @@ def decoded_logits(model, docs: list[torch.Tensor], prefill_lengths: list[int], 
     logits = model.lm_head(hidden)
     out = [[logits[b, width - p:]] for b, p in enumerate(prefill_lengths)]
     for s in range(steps):
-        nxt = torch.tensor([int(d[min(p + s, len(d) - 1)]) for d, p in zip(docs, prefill_lengths)])
+        nxt = torch.stack([d[min(p + s, len(d) - 1)] for d, p in zip(docs, prefill_lengths)])
         step_sel = [] if selected is not None else None
         step = model.lm_head(decode_step(model, nxt, state, selected=step_sel))
         if selected is not None:
