@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torchtitan_glm.config import Float8Config  # noqa: E402
 from torchtitan_glm.float8 import convert_float8  # noqa: E402
 from torchtitan_glm.models.glm5 import Glm5Model, get_flavor  # noqa: E402
-from torchtitan_glm.models.glm5.decode import decode_step, indexer_fp8, prefill  # noqa: E402
+from torchtitan_glm.models.glm5.decode import decode_step, indexer_fp8, prefill, runs_indexer  # noqa: E402
 from torchtitan_glm.models.glm5.dsa import SparseMLA  # noqa: E402
 from torchtitan_glm.models.glm5.hf_io import _cast_for_load  # noqa: E402
 
@@ -123,7 +123,7 @@ def training_path(model: Glm5Model, seqs: list[tuple[list, list]], device: torch
     tokens = torch.cat(docs).unsqueeze(0).to(device)
     captured = []
     hooks = [m.register_forward_hook(lambda mod, args, out: captured.append((mod, out[1])))
-             for m in model.modules() if isinstance(m, SparseMLA) and m.indexer is not None]
+             for m in model.modules() if isinstance(m, SparseMLA) and m.indexer is not None and not m.dense]
     try:
         hidden = model.hidden_states(tokens, starts.to(device), with_mtp=False).hidden[0]
     finally:
@@ -170,7 +170,7 @@ def decode_path(model: Glm5Model, seqs: list[tuple[list, list]], device: torch.d
     seconds = time.perf_counter() - start
     logits = torch.stack(logits, 1)  # [N, C, V]
     logp = logits.log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    indexers = [m.self_attn.indexer for m in model.layers.values() if m.is_dsa and m.self_attn.indexer is not None]
+    indexers = [m.self_attn.indexer for m in model.layers.values() if runs_indexer(m)]
     selected = [[_pool_part(torch.stack([s[j][b] for s in steps]), ix) for b in range(len(seqs))]
                 for j, ix in enumerate(indexers)] if steps else [[] for _ in indexers]
     return logp, logits.argmax(-1), selected, seconds
@@ -284,7 +284,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             del model
     print(f"rollout agreement (training forward vs incremental decode), {label}, {len(seqs)} sequences, "
           f"{result['continuation_tokens']} continuation tokens each, {result['device']}:")
-    print(f"  {'precision':20s} {'pearson':>9s} {'mean|d|':>9s} {'max|d|':>9s} {'top-1':>7s}  indexer overlap per DSA layer")
+    print(f"  {'precision':20s} {'pearson':>9s} {'mean|d|':>9s} {'max|d|':>9s} {'top-1':>7s}  "
+          "indexer overlap per DSA layer")
     for name, r in result["variants"].items():
         overlap = ", ".join(f"{100 * o:.2f}%" for o in r["indexer_overlap"])
         print(f"  {name:20s} {r['pearson']:9.6f} {r['mean_abs_diff']:9.2e} {r['max_abs_diff']:9.2e} "

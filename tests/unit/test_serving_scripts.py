@@ -53,7 +53,8 @@ def test_generate_script_from_a_trainer_checkpoint(tmp_path, capsys):
     opt = torch.optim.AdamW(model.parameters())
     manager = CheckpointManager(cfg=CheckpointConfig(enable=True, interval=1), dump_folder=str(tmp_path), model=model,
                                 optimizer=opt, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                                dataloader=_Loader(), run_info=run_info(cfg=cfg, args=model.args, tokenizer_vocab_size=259))
+                                dataloader=_Loader(),
+                                run_info=run_info(cfg=cfg, args=model.args, tokenizer_vocab_size=259))
     manager.save(3)
     root = os.path.join(str(tmp_path), cfg.checkpoint.folder)
     assert list_checkpoints(root) == [3]

@@ -45,7 +45,8 @@ def kda_prefill_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
     return torch.cat(rows, 0).to(v.dtype).contiguous(), torch.cat(states, 0)
 
 
-def kda_step_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+def kda_step_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                       state: Tensor) -> tuple[Tensor, Tensor]:
     """Torch reference of kda_step: the scan over one chunk of the T new tokens from `state`."""
     qf, kf = normalize_qk(q, k)
     o, new_state = _chunk_scan(qf, kf, v.float(), g.float(), beta.float(), max(1, q.shape[1]), state.float())

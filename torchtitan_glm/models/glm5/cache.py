@@ -1,4 +1,4 @@
-"""Decode caches, one per layer type, filled by a block's `prefill` and advanced by its `decode` (models/glm5/decode.py).
+"""Decode caches, one per layer type: filled by a block's `prefill`, advanced by its `decode` (models/glm5/decode.py).
 
 Each row of a batch is one prompt; every cache indexes a row's tokens by their position in that prompt (left
 padding is never stored), so rows of different lengths advance together, each at its own position.

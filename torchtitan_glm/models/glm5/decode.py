@@ -29,7 +29,7 @@ from .mhc import mean_hc_head
 if TYPE_CHECKING:
     from .model import Glm5Model
 
-__all__ = ["DecodeState", "decode_step", "indexer_fp8", "prefill", "prompt_lengths"]
+__all__ = ["DecodeState", "decode_step", "indexer_fp8", "prefill", "prompt_lengths", "runs_indexer"]
 
 
 def prompt_lengths(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -72,7 +72,7 @@ def prefill(model: Glm5Model, tokens: torch.Tensor, *, lengths: torch.Tensor | N
     for layer in model.layers.values():
         out, cache = layer.prefill(streams, batch, prev, capacity=capacity)
         streams, prev = out.streams, out.indices if out.indices is not None else prev
-        if selected is not None and out.indices is not None and layer.self_attn.indexer is not None:
+        if selected is not None and runs_indexer(layer):
             selected.append(out.indices)
         caches.append(cache)
     return _head(model, streams), DecodeState(caches, lengths.clone(), capacity, int(lengths.max()))
@@ -92,11 +92,16 @@ def decode_step(model: Glm5Model, tokens: torch.Tensor, state: DecodeState, *,
     for layer, cache in zip(model.layers.values(), state.layers):
         out = layer.decode(streams, cache, state.pos, prev)
         streams, prev = out.streams, out.indices if out.indices is not None else prev
-        if selected is not None and out.indices is not None and layer.self_attn.indexer is not None:
+        if selected is not None and runs_indexer(layer):
             selected.append(out.indices[:, 0])
     state.pos += 1
     state.longest += 1
     return _head(model, streams)[:, 0]
+
+
+def runs_indexer(layer) -> bool:
+    """Whether the layer runs its own sparse selection (a DSA layer with a full indexer, past the dense stage)."""
+    return layer.is_dsa and layer.self_attn.indexer is not None and not layer.self_attn.dense
 
 
 def _streams(model: Glm5Model, tokens: torch.Tensor) -> torch.Tensor:
