@@ -24,7 +24,7 @@ from torchtitan_glm.components.metrics import (
     DeviceMemoryMonitor, build_metrics_logger, flops_per_token, format_step_line, get_peak_flops, throughput,
 )
 from torchtitan_glm.components.optimizer import build_optimizer, clip_grad_norm_
-from torchtitan_glm.components.resume import resume_mismatches, run_info, schedule_note
+from torchtitan_glm.components.resume import layout_note, resume_mismatches, run_info, schedule_note
 from torchtitan_glm.components.signals import StopRequest
 from torchtitan_glm.components.tokenizer import build_tokenizer, check_vocab_fits
 from torchtitan_glm.config import ConfigError, JobConfig, load_config, main_guard
@@ -123,13 +123,16 @@ class Trainer:
         self.dp_group = self.meshes["dp_cp"].get_group()
 
         # The inputs are checked before the model is built: a tokenizer that does not fit the model, a bad jsonl
-        # line, a non-UTF-8 txt file or an out-of-vocabulary .bin token id stops every rank here.
+        # line, a non-UTF-8 txt file or an out-of-vocabulary .bin token id stops every rank here. Every rank of a
+        # data-parallel rank (its tensor/context-parallel peers) reads the same rows of the global batch; all ranks
+        # share the one-off token counting of text corpora (over a gloo group: CPU objects).
         self.tokenizer = build_tokenizer(cfg=cfg.data)
         check_vocab_fits(self.tokenizer, vocab_size=self.args.vocab_size, model=_model_source(cfg))
         self.dataloader = build_dataloader(
             cfg=cfg.data, tokenizer=self.tokenizer, seq_len=cfg.training.seq_len,
             local_batch_size=cfg.training.local_batch_size, dp_rank=self.meshes["dp"].get_local_rank(),
-            dp_world_size=dims.dp, seed=cfg.job.seed, vocab_size=self.args.vocab_size)
+            dp_world_size=dims.dp, seed=cfg.job.seed, vocab_size=self.args.vocab_size,
+            group=dist.new_group(backend="gloo") if dist.is_initialized() else None)
 
         torch.manual_seed(cfg.job.seed)
         with torch.device("meta"):
@@ -160,7 +163,8 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(optimizer=self.optimizer, cfg=cfg.lr_scheduler,
                                                total_steps=cfg.training.steps)
         self.skipped = _SkippedSteps()
-        self.run_info = run_info(cfg=cfg, args=self.args, tokenizer_vocab_size=self.tokenizer.vocab_size)
+        self.run_info = run_info(cfg=cfg, args=self.args, tokenizer_vocab_size=self.tokenizer.vocab_size,
+                                 layout=dims.describe(), global_batch_rows=self.dataloader.global_batch_rows)
         self.checkpointer = CheckpointManager(
             cfg=cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, extra_state={"skipped_steps": self.skipped},
@@ -335,10 +339,12 @@ class Trainer:
         ck.load(step)
         self._resume_state = (f"resumed from the step-{step} checkpoint {path}, training to step "
                               f"{cfg.training.steps}; to start fresh instead, use a new --job.dump_folder")
+        changed = layout_note(saved, self.run_info, next_row=self.dataloader.position) if saved is not None else None
         if self.rank == 0:
             logger.info(self._resume_state)
-            if note:
-                logger.warning(note)
+            for line in (note, changed):
+                if line:
+                    logger.warning(line)
         return step
 
     # ------------------------------------------------------------------------------------------ stopping
