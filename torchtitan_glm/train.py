@@ -121,6 +121,8 @@ class Trainer:
         # gradients are averaged over the ranks that see different tokens; batches are dealt over dp
         self.dp_size = dims.dp_cp
         self.dp_group = self.meshes["dp_cp"].get_group()
+        # CPU collectives of the data loader's set-up and of the HF import/export (the default group may be NCCL)
+        self.cpu_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
 
         # The inputs are checked before the model is built: a tokenizer that does not fit the model, a bad jsonl
         # line, a non-UTF-8 txt file or an out-of-vocabulary .bin token id stops every rank here. Every rank of a
@@ -131,8 +133,7 @@ class Trainer:
         self.dataloader = build_dataloader(
             cfg=cfg.data, tokenizer=self.tokenizer, seq_len=cfg.training.seq_len,
             local_batch_size=cfg.training.local_batch_size, dp_rank=self.meshes["dp"].get_local_rank(),
-            dp_world_size=dims.dp, seed=cfg.job.seed, vocab_size=self.args.vocab_size,
-            group=dist.new_group(backend="gloo") if dist.is_initialized() else None)
+            dp_world_size=dims.dp, seed=cfg.job.seed, vocab_size=self.args.vocab_size, group=self.cpu_group)
 
         torch.manual_seed(cfg.job.seed)
         with torch.device("meta"):
@@ -168,7 +169,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             cfg=cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, extra_state={"skipped_steps": self.skipped},
-            hf_load_fn=_hf_load, hf_save_fn=self._hf_save, run_info=self.run_info)
+            hf_load_fn=self._hf_load, hf_save_fn=self._hf_save, run_info=self.run_info)
         self.logger = build_metrics_logger(cfg=cfg.metrics, dump_folder=cfg.job.dump_folder, rank=self.rank)
         self.memory = DeviceMemoryMonitor(self.device)
         self.flops_per_token = flops_per_token(self.args, cfg.training.seq_len)
@@ -181,7 +182,18 @@ class Trainer:
 
         ckpt = self.cfg.checkpoint
         save_hf_from_sharded(model, out_dir, dtype=getattr(torch, ckpt.export_dtype), fp8=ckpt.export_fp8,
-                             keep_bf16=self.cfg.float8.keep_bf16)
+                             keep_bf16=self.cfg.float8.keep_bf16, process_group=self.cpu_group)
+
+    def _hf_load(self, model: torch.nn.Module, path: str) -> None:
+        from torchtitan_glm.models.glm5.hf_distributed import load_hf_weights_into
+
+        try:
+            load_hf_weights_into(model, path, process_group=self.cpu_group)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            if is_expected(e):
+                raise
+            raise CheckpointError(f"cannot load the HF checkpoint {path} (checkpoint.initial_load_path): "
+                                  f"{one_line(e)}") from e
 
     # ---------------------------------------------------------------------------------------------- step
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -413,18 +425,6 @@ class Trainer:
         """Release the process group (no barrier: after an error elsewhere it could wait forever)."""
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _hf_load(model: torch.nn.Module, path: str) -> None:
-    from torchtitan_glm.models.glm5.hf_distributed import load_hf_weights_into
-
-    try:
-        load_hf_weights_into(model, path)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        if is_expected(e):
-            raise
-        raise CheckpointError(f"cannot load the HF checkpoint {path} (checkpoint.initial_load_path): "
-                              f"{one_line(e)}") from e
 
 
 def _run(cfg: JobConfig) -> None:

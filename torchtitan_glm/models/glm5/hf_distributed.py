@@ -20,14 +20,16 @@ in torch 2.11 and 2.13; tests/distributed/test_hf_distributed.py exercises both 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import uuid
+import warnings
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -90,6 +92,14 @@ def _local_experts(name: str, t: torch.Tensor) -> tuple[int, torch.Tensor]:
 def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's tensors by our state-dict names (compile/AC prefixes removed), sharing their storage."""
     return plain_tensors(get_model_state_dict(model))
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes a single process when there is no process group: here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _shared(value: Any, group: dist.ProcessGroup | None) -> Any:
@@ -191,7 +201,8 @@ def load_hf_weights_into(model: nn.Module, hf_dir: str | os.PathLike, *,
         elif not (hf == LM_HEAD and args.tie_word_embeddings):  # unreachable once check_hf passed
             raise CheckpointMismatchError(f"{hf} (our {ours}) is not in {hf_dir}", missing=[hf])
     reader = _ShardReader(str(hf_dir), meta=meta, where=where, pairs=pairs, block=block)
-    dcp.load(targets, storage_reader=reader, process_group=process_group, no_dist=not _distributed())
+    with _single_process_quiet():
+        dcp.load(targets, storage_reader=reader, process_group=process_group, no_dist=not _distributed())
     if args.tie_word_embeddings and LM_HEAD not in meta:
         with torch.no_grad():
             state["lm_head.weight"].copy_(state["embed_tokens.weight"])
@@ -327,7 +338,8 @@ def _write_shards(model: nn.Module, m: Glm5Model, adapter: Glm5StateDictAdapter,
     sharded = tmp / "sharded"
     writer = HuggingFaceStorageWriter(path=str(sharded), save_distributed=True, fqn_to_index_mapping=mapping,
                                       enable_consolidation=False)
-    dcp.save(to_write, storage_writer=writer, process_group=group, no_dist=not _distributed())
+    with _single_process_quiet():
+        dcp.save(to_write, storage_writer=writer, process_group=group, no_dist=not _distributed())
     del to_write
     consolidate_safetensors_files_on_every_rank(input_dir=str(sharded), output_dir=str(tmp),
                                                 fqn_to_index_mapping=mapping, num_threads=1, process_group=group)
