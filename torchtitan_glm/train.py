@@ -28,10 +28,11 @@ from torchtitan_glm.components.resume import layout_note, resume_mismatches, run
 from torchtitan_glm.components.signals import StopRequest
 from torchtitan_glm.components.tokenizer import build_tokenizer, check_vocab_fits
 from torchtitan_glm.config import ConfigError, JobConfig, load_config, main_guard
+from torchtitan_glm.distributed.cp_layout import CPLayout
 from torchtitan_glm.distributed.parallel_dims import ParallelDims, validate_model_layout, world_size_from_env
 from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8, precompute_float8_scales
 from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs
-from torchtitan_glm.models.glm5.model import mtp_targets
+from torchtitan_glm.models.glm5.batch import train_batch
 from torchtitan_glm.models.glm5.parallelize import parallelize_glm5
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,11 @@ class Trainer:
         self.dp_group = self.meshes["dp_cp"].get_group()
         # CPU collectives of the data loader's set-up and of the HF import/export (the default group may be NCCL)
         self.cpu_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        # Context parallelism: the cp ranks of a data-parallel rank read the same rows; each computes its zigzag part.
+        self.cp = None
+        if dims.cp > 1:
+            cp_mesh = self.meshes["cp"]
+            self.cp = (cp_mesh.get_group(), CPLayout(size=dims.cp, rank=cp_mesh.get_local_rank()))
 
         # The inputs are checked before the model is built: a tokenizer that does not fit the model, a bad jsonl
         # line, a non-UTF-8 txt file or an out-of-vocabulary .bin token id stops every rank here. Every rank of a
@@ -203,15 +209,15 @@ class Trainer:
         tokens = batch["input_ids"].to(self.device)
         labels = batch["labels"].to(self.device)
         doc_ids = batch["doc_ids"].to(self.device)
-        count, mtp_count = losses.global_token_counts(labels, mtp_targets(labels), group=self.dp_group)
+        batch_ = train_batch(tokens, labels, doc_ids, cp=self.cp)
+        count, mtp_count = losses.global_token_counts(batch_.labels, batch_.mtp_labels, group=self.dp_group)
         scale = losses.token_scale(count, dp_size=self.dp_size)
         use_mtp = self.model.mtp is not None
         mtp_scale = cfg.mtp_weight * losses.token_scale(mtp_count, dp_size=self.dp_size) if use_mtp else 0.0
         use_kl = cfg.indexer_kl_coeff > 0 and self.args.num_dsa_layers > 0
-        out = self.model(tokens, doc_ids=doc_ids, labels=labels, token_scale=scale, mtp_scale=mtp_scale,
-                         collect_indexer_stats=use_kl, indexer_sparse_loss=cfg.indexer_sparse_loss,
-                         seq_aux=cfg.seq_aux_loss_coeff > 0,
-                         ce_chunk_size=cfg.ce_chunk_size)
+        out = self.model(batch_, token_scale=scale, mtp_scale=mtp_scale,
+                         indexer_kl=("sparse" if cfg.indexer_sparse_loss else "dense") if use_kl else None,
+                         seq_aux=cfg.seq_aux_loss_coeff > 0, ce_chunk_size=cfg.ce_chunk_size)
         # Sparse stage: everything trains on CE + MTP (+ KL for the indexer). Dense warm-up: only the indexer's
         # parameters require grad, and the KL is its objective; the CE is still computed, for the log.
         total = out.loss if cfg.indexer_stage == "sparse" else out.loss.new_zeros(())

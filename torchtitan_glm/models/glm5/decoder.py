@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from .args import DSA, Glm5ModelArgs
-from .dsa import DocLayout, IndexerStats, SparseMLA
+from .batch import BatchLayout
+from .dsa import IndexerStats, SparseMLA
 from .kda import KimiDeltaAttention
 from .layers import DenseMLP, RMSNorm
 from .mhc import HyperConnection
 from .moe import MoE, MoEStats
+
+
+class LayerOutput(NamedTuple):
+    """A decoder layer's results: the new streams, the DSA token indices it used (for a following 'shared' layer),
+    its indexer KL and its MoE routing statistics (None where the layer has none)."""
+
+    streams: torch.Tensor
+    indices: torch.Tensor | None
+    indexer_stats: IndexerStats | None
+    moe_stats: MoEStats | None
 
 
 class DecoderLayer(nn.Module):
@@ -37,33 +50,28 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(args.hidden_size, args.intermediate_size, swiglu_limit=args.swiglu_limit)
         self.init_std = args.initializer_range
 
-    def forward(
-        self,
-        streams: torch.Tensor,
-        doc: DocLayout,
-        doc_ids: torch.Tensor | None = None,
-        shared_indices: torch.Tensor | None = None,
-        indexer_kl: str | None = None,
-        seq_aux: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, IndexerStats | None, MoEStats | None]:
+    def forward(self, streams: torch.Tensor, batch: BatchLayout,
+                shared_indices: torch.Tensor | None = None) -> LayerOutput:
+        """streams [B, T, n, D]; shared_indices: the previous DSA layer's selection, for an indexer_types 'shared'
+        layer."""
         post, comb, h = self.attn_hc(streams)
         h = self.input_layernorm(h)
         indices, stats = None, None
         if self.is_dsa:
-            h, indices, stats = self.self_attn(h, doc=doc, shared_indices=shared_indices, indexer_kl=indexer_kl)
+            h, indices, stats = self.self_attn(h, batch, shared_indices)
         else:
-            h = self.self_attn(h, doc_ids=doc_ids, pos_in_doc=None if doc_ids is None else doc.pos)
+            h = self.self_attn(h, batch)
         streams = self.attn_hc.merge(streams, h, post, comb)
 
         post, comb, h = self.ffn_hc(streams)
         h = self.post_attention_layernorm(h)
         moe_stats = None
         if self.is_moe:
-            h, moe_stats = self.mlp(h, seq_aux=seq_aux)
+            h, moe_stats = self.mlp(h, seq_aux=batch.seq_aux)
         else:
             h = self.mlp(h)
         streams = self.ffn_hc.merge(streams, h, post, comb)
-        return streams, indices, stats, moe_stats
+        return LayerOutput(streams, indices, stats, moe_stats)
 
     def init_weights(self) -> None:
         self.attn_hc.init_weights()

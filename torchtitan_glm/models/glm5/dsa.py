@@ -26,16 +26,9 @@ from torchtitan_glm.ops.masked_attention import masked_attention
 from torchtitan_glm.ops.sparse_mla import sparse_mla
 
 from .args import Glm5ModelArgs
+from .batch import BatchLayout, DocLayout
 from .indexer_fp8 import fp8_serving_input
 from .layers import RMSNorm, init_linear, local_param
-
-
-class DocLayout(NamedTuple):
-    """Per-token document coordinates [B, T] (see seqinfo.doc_positions)."""
-
-    pos: torch.Tensor
-    length: torch.Tensor
-    key: torch.Tensor
 
 
 class PoolLayout(NamedTuple):
@@ -239,19 +232,17 @@ class SparseMLA(nn.Module):
         self.heads_group = None
 
     def forward(
-        self,
-        x: torch.Tensor,
-        *,
-        doc: DocLayout,
-        shared_indices: torch.Tensor | None = None,
-        indexer_kl: str | None = None,
+        self, x: torch.Tensor, batch: BatchLayout, shared_indices: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, IndexerStats | None]:
         """Returns (output [B, T, D], token indices [B, T, K] used (None in the dense stage), indexer KL or None).
 
-        indexer_kl: None, "sparse" (over the selected pools, target = this sparse attention) or "dense" (over every
-        candidate pool, target = dense causal attention)."""
+        batch.indexer_kl: None, "sparse" (over the selected pools, target = this sparse attention) or "dense" (over
+        every candidate pool, target = dense causal attention)."""
+        doc, indexer_kl = batch.doc, batch.indexer_kl
         if indexer_kl not in (None, "sparse", "dense"):
             raise ValueError(f"indexer_kl must be None, 'sparse' or 'dense', got {indexer_kl!r}")
+        if batch.cp is not None:
+            raise NotImplementedError("DSA under context parallelism")
         if indexer_kl == "sparse" and self.dense:
             raise ValueError("the sparse indexer KL needs sparse attention (dsa_attention='sparse')")
         qr = self.q_a_layernorm(self.q_a_proj(x))

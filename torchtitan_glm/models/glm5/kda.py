@@ -9,8 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan_glm.ops.kda import kda as kda_op
+from torchtitan_glm.ops.kda_cp import conv_halo, kda_cp
 
 from .args import Glm5ModelArgs
+from .batch import BatchLayout
 from .layers import init_linear, local_param
 
 
@@ -137,15 +139,24 @@ class KimiDeltaAttention(nn.Module):
         lb = args.linear_lower_bound
         self.safe_gate = lb is not None and -5.0 <= lb < 0
 
-    def forward(self, x: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
-                pos_in_doc: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: BatchLayout) -> torch.Tensor:
+        """x [B, T_local, D]; documents restart the state and the short convs; under context parallelism the state
+        is chained across the cp ranks and the convs take their halo from the preceding slots."""
         heads = (-1, self.head_dim)  # all heads, or this rank's under tensor parallelism
-        q = self.q_conv1d(self.q_proj(x), pos_in_doc).unflatten(-1, heads)
-        k = self.k_conv1d(self.k_proj(x), pos_in_doc).unflatten(-1, heads)
-        v = self.v_conv1d(self.v_proj(x), pos_in_doc).unflatten(-1, heads)
+        pos = None if batch.doc_ids is None else batch.doc.pos
+        cp = batch.cp
+        qkv = []
+        for proj, conv in ((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d), (self.v_proj, self.v_conv1d)):
+            h = proj(x)
+            halo = None if cp is None else conv_halo(h, conv.kernel_size, group=cp.group)
+            qkv.append(conv(h, pos, halo).unflatten(-1, heads))
+        q, k, v = qkv
         g = self.decay(self.f_b_proj(self.f_a_proj(x)))
         beta = torch.sigmoid(self.b_proj(x))
-        o = kda_op(q, k, v, g, beta, doc_ids, safe_gate=self.safe_gate)
+        if cp is None:
+            o = kda_op(q, k, v, g, beta, batch.doc_ids, safe_gate=self.safe_gate)
+        else:
+            o = kda_cp(q, k, v, g, beta, batch.doc_ids, group=cp.group, layout="zigzag", safe_gate=self.safe_gate)
         gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, heads)
         return self.o_proj(self.o_norm(o, gate).flatten(-2))
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
@@ -251,6 +251,7 @@ def parallelize_glm5(
     # The head is called once per step after the trunk; keep it gathered from the final norm to the loss.
     fully_shard([model.norm, model.lm_head], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=outside)
+    register_fsdp_forward_method(model, "logits")  # the inference entry gets the root's FSDP hooks too
 
     dp_cp = meshes["dp_cp"].get_group()
     dp_cp_size = meshes["dp_cp"].size()
