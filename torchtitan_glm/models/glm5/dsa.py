@@ -74,6 +74,24 @@ def pool_layout(doc: DocLayout, kpool: int) -> PoolLayout:
     return PoolLayout(start, used, doc.key.gather(1, start), token_slot)
 
 
+def _query_chunks(cp, local_len: int) -> list[tuple[int, int, int]]:
+    """(local start, local end, row position of its first query) of each run of consecutive row positions among
+    this rank's queries: the whole row without context parallelism, the zigzag's two chunks with it."""
+    if cp is None:
+        return [(0, local_len, 0)]
+    if cp.layout.per_document:
+        raise ValueError("DSA under context parallelism needs the row zigzag (context-parallel layout 'zigzag')")
+    chunk, size, rank = local_len // 2, cp.layout.size, cp.layout.rank  # rank r holds chunks r and 2 cp - 1 - r
+    return [(0, chunk, rank * chunk), (chunk, local_len, (2 * size - 1 - rank) * chunk)]
+
+
+def _cp_causal_doc_mask(doc: DocLayout, full_doc: DocLayout, positions: torch.Tensor) -> torch.Tensor:
+    """[B, T_local, T] causal mask within documents of this rank's queries against the whole rows' keys."""
+    keys = torch.arange(full_doc.pos.shape[1], device=positions.device)
+    causal = keys[None, None, :] <= positions.to(keys.device)[:, :, None]
+    return causal & (doc.key[:, :, None] == full_doc.key[:, None, :])
+
+
 def causal_doc_mask(doc: DocLayout) -> torch.Tensor:
     """[B, T, T] dense causal mask within documents."""
     seqlen = doc.pos.shape[1]
@@ -134,12 +152,15 @@ class KPoolIndexer(nn.Module):
         # Linears read through their weight, never called: a float8 conversion would not reach them.
         self.weight_only_linears = {"weights_proj"} if self.weights_fp32 else set()
 
-    def pooled_keys(self, x: torch.Tensor, pools: PoolLayout) -> torch.Tensor:
+    def pooled_keys(self, x: torch.Tensor, pools: PoolLayout, gather=None) -> torch.Tensor:
         """[B, P, D] pooled keys: per-dimension softmax over each pool's kpool slots (gate + APE, FP32) weighting the
-        normalised keys; summed in the keys' dtype (the reference) or in FP32 with one rounding (kpool_fp32_accumulate)."""
+        normalised keys; summed in the keys' dtype (the reference) or in FP32 with one rounding (kpool_fp32_accumulate).
+        gather: the whole rows' per-token keys and gates from this rank's (context parallelism)."""
         bsz = x.shape[0]
         k, gate = self.token_keys(x)
-        idx = (pools.start.unsqueeze(-1) + torch.arange(self.kpool, device=x.device)).clamp(max=x.shape[1] - 1)
+        if gather is not None:
+            k, gate = gather(k), gather(gate)
+        idx = (pools.start.unsqueeze(-1) + torch.arange(self.kpool, device=x.device)).clamp(max=k.shape[1] - 1)
         rows = torch.arange(bsz, device=x.device).view(bsz, 1, 1)
         return self.pool(k[rows, idx], gate[rows, idx])
 
@@ -162,16 +183,17 @@ class KPoolIndexer(nn.Module):
             w = self.weights_proj(x).float()
         return w * self.n_heads**-0.5
 
-    def inputs(self, x: torch.Tensor, qr: torch.Tensor, pools: PoolLayout) -> IndexerInputs:
+    def inputs(self, x: torch.Tensor, qr: torch.Tensor, pools: PoolLayout, gather=None) -> IndexerInputs:
         """The score's FP32 operands. With indexer_fp8_emulation the query and the pooled keys first take serving's
         FP8 path (rotation after pooling, as serving does): elementwise per row, so the tiled ops see the result."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        pooled = self.pooled_keys(x, pools)
+        pooled = self.pooled_keys(x, pools, gather)
         if self.fp8_emulation:
             q, pooled = fp8_serving_input(q), fp8_serving_input(pooled)
         return IndexerInputs(q.float(), self.head_weights(x), pooled.float())
 
-    def select(self, inp: IndexerInputs, doc: DocLayout, pools: PoolLayout, *, budget: int) -> torch.Tensor:
+    def select(self, inp: IndexerInputs, doc: DocLayout, pools: PoolLayout, *, budget: int,
+               q_start: int = 0) -> torch.Tensor:
         """[B, T, min(index_topk // kpool, P)] int64: the selected pool slots, best first, -1 padding. Ties go to the
         earlier pool: ReLU scoring produces exact ties (all-zero pools), and a fixed rule keeps the selection
         independent of packing, tiling and kernel."""
@@ -179,9 +201,10 @@ class KPoolIndexer(nn.Module):
         k = min(self.select_pools, num_slots)
         tile = tile_rows(self.n_heads * num_slots, budget)
         return kpool_topk(inp.q.detach(), inp.w.detach(), inp.pk.detach(), pool_last(pools, self.kpool, doc),
-                          pools.key, doc.key, k, self.kpool, tile)
+                          pools.key, doc.key, k, self.kpool, tile, q_start)
 
-    def token_indices(self, pool_ids: torch.Tensor, doc: DocLayout, pools: PoolLayout) -> torch.Tensor:
+    def token_indices(self, pool_ids: torch.Tensor, doc: DocLayout, pools: PoolLayout, *,
+                      q_start: int = 0) -> torch.Tensor:
         """[B, T, K] int32 tokens: the selected pools' kpool tokens in pool_ids order, then the query's incomplete
         tail (its last (pos + 1) % kpool tokens, the query included) when always_select_tail; -1 = none."""
         bsz, seqlen, k = pool_ids.shape
@@ -191,7 +214,7 @@ class KPoolIndexer(nn.Module):
         parts = [tokens.flatten(2)]
         if self.always_select_tail:
             back = torch.arange(self.kpool - 1, device=device)
-            t = torch.arange(seqlen, device=device).view(1, seqlen, 1)
+            t = torch.arange(q_start, q_start + seqlen, device=device).view(1, seqlen, 1)
             tail_len = ((doc.pos + 1) % self.kpool).unsqueeze(-1)
             parts.append(torch.where(back < tail_len, t - back, -1).expand(bsz, seqlen, -1))
         return torch.cat(parts, dim=-1).to(torch.int32)
@@ -303,11 +326,9 @@ class SparseMLA(nn.Module):
 
         batch.indexer_kl: None, "sparse" (over the selected pools, target = this sparse attention) or "dense" (over
         every candidate pool, target = dense causal attention)."""
-        doc, indexer_kl = batch.doc, batch.indexer_kl
+        doc, indexer_kl, cp = batch.doc, batch.indexer_kl, batch.cp
         if indexer_kl not in (None, "sparse", "dense"):
             raise ValueError(f"indexer_kl must be None, 'sparse' or 'dense', got {indexer_kl!r}")
-        if batch.cp is not None:
-            raise NotImplementedError("DSA under context parallelism")
         if indexer_kl == "sparse" and self.dense:
             raise ValueError("the sparse indexer KL needs sparse attention (dsa_attention='sparse')")
         qr = self.q_a_layernorm(self.q_a_proj(x))
@@ -317,40 +338,64 @@ class SparseMLA(nn.Module):
         w_kv = local_param(self.kv_b_proj.weight).unflatten(0, (-1, self.qk_dim + self.v_dim))
         w_uk, w_uv = w_kv.split([self.qk_dim, self.v_dim], 1)
         q_lat = torch.einsum("bthd,hdr->bthr", q, w_uk) if not self.dense or indexer_kl else None  # absorbed query
+        # Context parallelism: this rank's queries attend the whole rows, so the latent (and, in the indexer, the
+        # keys and their pooling gates) are all-gathered; pools and documents are those of the whole rows.
+        gather = None if cp is None else (lambda t: cp.layout.unshard(t, group=cp.group))
+        full_doc = doc if cp is None else cp.full_doc
+        latent_all = latent if gather is None else gather(latent)
 
         indices, stats = shared_indices, None
         if self.indexer is None:
             if shared_indices is None and not self.dense:
                 raise ValueError("a 'shared' DSA layer needs the previous layer's selection")
         elif not self.dense or indexer_kl is not None:
-            pools = pool_layout(doc, self.kpool)
+            pools = pool_layout(full_doc, self.kpool)
             with torch.set_grad_enabled(indexer_kl is not None and torch.is_grad_enabled()):
-                inp = self.indexer.inputs(x.detach(), qr.detach(), pools)
-            if not self.dense:
-                pool_ids = self.indexer.select(inp, doc, pools, budget=self.tile_elements)
-                indices = self.indexer.token_indices(pool_ids, doc, pools)
+                inp = self.indexer.inputs(x.detach(), qr.detach(), pools, gather=gather)
+            attn_q = None
             if indexer_kl is not None:
                 attn_q = q_lat.detach()
                 if self.heads_group is not None:  # the target sums over all heads: gather the other TP ranks'
                     attn_q = all_gather_autograd(attn_q, dim=2, group=self.heads_group)
-                stats = self._indexer_kl(indexer_kl, inp, doc, pools, attn_q, latent.detach(),
-                                         pool_ids if indexer_kl == "sparse" else None, indices)
+            pieces, kl_parts = [], []
+            for s0, s1, row_pos in _query_chunks(cp, x.shape[1]):
+                part, chunk_doc, chunk_q = inp, doc, attn_q
+                if cp is not None:  # this chunk's queries
+                    part = IndexerInputs(inp.q[:, s0:s1], inp.w[:, s0:s1], inp.pk)
+                    chunk_doc = DocLayout(*(t[:, s0:s1] for t in doc))
+                    chunk_q = None if attn_q is None else attn_q[:, s0:s1]
+                pool_ids = None
+                if not self.dense:
+                    pool_ids = self.indexer.select(part, full_doc, pools, budget=self.tile_elements, q_start=row_pos)
+                    pieces.append(self.indexer.token_indices(pool_ids, chunk_doc, pools, q_start=row_pos))
+                if indexer_kl is not None:
+                    kl_parts.append(self._indexer_kl(indexer_kl, part, full_doc, pools, chunk_q,
+                                                     latent_all.detach(), pool_ids,
+                                                     pieces[-1] if pieces else None, row_pos))
+            if not self.dense:
+                indices = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+            if len(kl_parts) == 1:
+                stats = kl_parts[0]
+            elif kl_parts:
+                stats = IndexerStats(sum(k.kl_sum for k in kl_parts), sum(k.rows for k in kl_parts))
 
         if self.dense:
-            kv = self.kv_b_proj(latent).unflatten(-1, (-1, self.qk_dim + self.v_dim)).transpose(1, 2)
+            kv = self.kv_b_proj(latent_all).unflatten(-1, (-1, self.qk_dim + self.v_dim)).transpose(1, 2)
             k, v = kv.split([self.qk_dim, self.v_dim], dim=-1)
-            out = masked_attention(q.transpose(1, 2), k, v, causal_doc_mask(doc), scale=self.scale).transpose(1, 2)
+            mask = causal_doc_mask(doc) if cp is None else _cp_causal_doc_mask(doc, full_doc, cp.positions)
+            out = masked_attention(q.transpose(1, 2), k, v, mask, scale=self.scale).transpose(1, 2)
             indices = None
         else:
             if self.heads_group is not None:  # the latent is replicated; each TP rank's heads add to its gradient
-                latent = sum_grad_over(latent, group=self.heads_group)
-            out = torch.einsum("bthr,hvr->bthv", sparse_mla(q_lat, latent, indices, scale=self.scale), w_uv)
+                latent_all = sum_grad_over(latent_all, group=self.heads_group)
+            out = torch.einsum("bthr,hvr->bthv", sparse_mla(q_lat, latent_all, indices, scale=self.scale), w_uv)
         return self.o_proj(out.flatten(-2)), indices, stats
 
     def _indexer_kl(
         self, mode: str, inp: IndexerInputs, doc: DocLayout, pools: PoolLayout, attn_q: torch.Tensor,
-        attn_kv: torch.Tensor, pool_ids: torch.Tensor | None, indices: torch.Tensor | None,
+        attn_kv: torch.Tensor, pool_ids: torch.Tensor | None, indices: torch.Tensor | None, q_start: int = 0,
     ) -> IndexerStats:
+        """The KL of queries q_start .. of the rows (doc, pools, attn_kv: the whole rows)."""
         need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inp)
         heads_i, num_slots = inp.q.shape[2], inp.pk.shape[1]
         if mode == "sparse":
@@ -361,7 +406,7 @@ class SparseMLA(nn.Module):
             width = max(heads_i * num_slots, attn_q.shape[2] * doc.pos.shape[1])
             kl, rows, *_ = indexer_kl_dense(*inp, pools.start, pool_last(pools, self.kpool, doc), pools.key, doc.key,
                                             attn_q, attn_kv, self.scale, self.kpool,
-                                            tile_rows(width, self.tile_elements), need_grad)
+                                            tile_rows(width, self.tile_elements), need_grad, q_start)
         return IndexerStats(kl, rows)
 
     def init_weights(self) -> None:
