@@ -1,0 +1,332 @@
+"""Activation memory of one block, by layer type and regime: what autograd keeps for the backward, and the working
+set that exists only while the block runs.
+
+Regimes: `eager` (no AC, eager autograd), `compiled` (no AC, inductor's min-cut partition of each compiled block),
+`selective` (activation_checkpoint.py's policy: outputs of matmuls, attention and the KDA kernel are saved, the rest is
+recomputed; the same eager or compiled) and `full` (only the block's inputs are saved).
+
+The inventories below were read off the blocks' code and checked against the tensors autograd really saves, block by
+block, on CPU (tests/unit/test_planner_activations.py measures them with saved-tensor hooks, eager and inductor-
+compiled, on a small model with distinct widths). Two things differ on CUDA and are modelled for `device="cuda"`:
+FLA's KDA forward also saves its intra-chunk matrices Aqk and Akk ([N, H, 64] each), and masked attention runs
+cuDNN's kernel (saving q, k, v, the output, the log-sum-exp and the boolean mask) where the CPU takes the math path
+(FP32 probabilities). Per-token sizes scale with the rank's tokens; attention and indexer terms also with the keys
+a query spans. Tensor parallelism (planned, issue 10) is modelled as dividing every per-token term by tp (sequence
+parallelism shards what the heads do not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchtitan_glm.models.glm5.args import Glm5ModelArgs
+
+REGIMES = ("eager", "compiled", "selective", "full")
+FLA_CHUNK = 64  # FLA's KDA chunk: its saved Aqk/Akk have this many columns
+
+
+@dataclass(frozen=True)
+class ActContext:
+    """The shapes one rank's blocks see and what the step computes."""
+
+    args: Glm5ModelArgs
+    batch: int  # rows per rank
+    seq: int  # tokens per row on this rank (seq_len / cp)
+    keys: int  # tokens a row spans (seq_len): attention keys and indexer pools
+    act: int = 2  # bytes per activation element (2: BF16 compute, 4: FP32)
+    tp: int = 1
+    device: str = "cuda"
+    fp32_params: bool = True  # FP32-kept parameters are FP32 (trainer); False: cast to BF16 (benchmark)
+    collect_stats: bool = True  # the indexer runs with gradients and returns KL statistics (training)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def pools(self) -> int:
+        return self.keys // self.args.index_kpool
+
+
+class _Terms:
+    """Named byte counts: per-token terms (x tokens / tp) and fixed ones (per block, independent of tokens)."""
+
+    def __init__(self, ctx: ActContext) -> None:
+        self.ctx = ctx
+        self.out: dict[str, float] = {}
+
+    def tok(self, name: str, per_token: float) -> None:
+        self.out[name] = self.out.get(name, 0.0) + per_token * self.ctx.tokens / self.ctx.tp
+
+    def fixed(self, name: str, nbytes: float) -> None:
+        self.out[name] = self.out.get(name, 0.0) + nbytes
+
+
+# ------------------------------------------------------------------------------------------ sub-blocks
+def _mhc_site(t: _Terms, regime: str) -> None:
+    """One HyperConnection site (two per decoder layer): its input streams, the FP32 mapping, Sinkhorn, the merge."""
+    c, a = t.ctx, t.ctx.act
+    d, n, it = c.args.hidden_size, c.args.hc_mult, c.args.hc_sinkhorn_iters
+    width = (2 + n) * n
+    cast = a != 4  # post/comb cast to the streams' dtype (a no-op for FP32 streams)
+    if regime == "full":
+        return
+    if regime == "selective":
+        t.tok("mhc", 4 * width)  # the fn matmul's FP32 output
+        return
+    t.tok("streams", n * d * a)  # the site's input streams
+    if not c.fp32_params:
+        t.fixed("mhc", width * n * d * 4)  # fn.float(): an FP32 copy of the BF16-cast weight
+    if regime == "compiled":
+        t.tok("mhc", 4 * n * d + 4 * n * n + 8 * n + 4 + (2 * n * n + 2 * n if cast else 0))
+        return
+    fp32_mix = c.args.mhc_fp32_mixing
+    per_site = 8 * n * d + 4  # streams.float() and the RMS-scaled copy, rsqrt
+    per_site += 4 * width + 3 * 4 * n  # the mapping output, sigmoid outputs, pre (+eps)
+    per_site += 4 * n * n * 2 * it + 4 * n * (2 * it - 1)  # Sinkhorn: every division keeps both operands
+    if fp32_mix:  # merge in FP32: post, block output and residual cast to FP32
+        per_site += 4 * n + 4 * d + 4 * n * d + 4 * n * n
+    else:
+        per_site += (a * n + a * n * n if cast else 4 * n + 4 * n * n) + d * a  # post, comb (casts), block output
+    t.tok("mhc", per_site)
+
+
+def _norm(t: _Terms, regime: str, width: int, name: str = "norms") -> None:
+    """RMSNorm over `width`: eager keeps x.float(), rsqrt and the cast; compiled keeps the output (a GEMM's input)."""
+    a = t.ctx.act
+    if regime == "eager":
+        t.tok(name, 4 * width + 4 + width * a)
+    elif regime == "compiled":
+        t.tok(name, width * a + 4)
+
+
+def _kda(t: _Terms, regime: str) -> None:
+    c, a = t.ctx, t.ctx.act
+    d, h, k, w = c.args.hidden_size, c.args.linear_num_heads, c.args.linear_head_dim, c.args.linear_conv_kernel_dim
+    hk = h * k
+    residuals = 2 * h * FLA_CHUNK * a if c.device == "cuda" else 0
+    if regime == "full":
+        return
+    if residuals:
+        t.tok("kda_fla_residuals", residuals)
+    if regime == "selective":  # q, k, v, f_a, f_b, b, g_a, g_b projections, the KDA output, o_proj
+        t.tok("kda", (3 * hk + k + hk + h + k + hk + hk + d) * a)
+        return
+    if regime == "compiled":
+        t.tok("kda", 3 * hk * a + 3 * hk * a  # projections and their conv outputs
+              + 3 * (w - 1) * 4 * hk  # the shifted conv taps, FP32
+              + 4 * hk + 4 * hk * a  # decay (FP32); f_b, KDA output, g_b, o_norm output
+              + 2 * k * a + 4 * h + h * a + (w - 1) + 8)  # f_a/g_a, o_norm rsqrt, beta, tap masks, positions
+        t.tok("block_out", d * a)  # o_proj output
+        return
+    if not c.fp32_params:
+        t.fixed("kda", 3 * hk * w * 4 + k * 4)  # conv weights / o_norm weight .float() copies
+    t.tok("kda", d * a  # the projections' input
+          + 3 * ((w + 1) * 4 * hk + (w - 1) * 4)  # per conv: x.float(), W-1 shifted taps, SiLU input; tap masks
+          + 3 * hk * a  # q, k, v (the kernel's inputs)
+          + 3 * 4 * hk  # decay: gate, sigmoid output, the kernel's g
+          + 2 * k * a + h * a + 8  # f_a/g_a outputs, beta, document ids
+          + 4 * 4 * hk + 4 * h  # gated RMSNorm: x.float(), scaled, y, sigmoid(gate); rsqrt
+          + hk * a)  # o_proj input
+
+
+def _dsa(t: _Terms, regime: str, *, indexer: bool) -> None:
+    c, a = t.ctx, t.ctx.act
+    args = c.args
+    d, h = args.hidden_size, args.num_attention_heads
+    dqk, dv, ql, kvl = args.qk_head_dim, args.v_head_dim, args.q_lora_rank, args.kv_lora_rank
+    ih, idim, kp = args.index_n_heads, args.index_head_dim, args.index_kpool
+    keys, pools = c.keys, c.pools
+    cuda = c.device == "cuda"
+    with_index = indexer and c.collect_stats  # the indexer keeps activations only when it is trained
+    if regime == "full":
+        return
+    if regime == "selective":
+        t.tok("mla", (ql + h * dqk + kvl + h * (dqk + dv) + d) * a)  # q_a, q_b, kv_a, kv_b, o_proj outputs
+        t.tok("attention", (h * dv * a + 4 * h) if cuda else (4 * h * keys + 4 * h * dv))
+        if with_index:
+            t.tok("indexer", (ih * idim + 2 * idim + ih) * a + 4 * ih * pools + 4 * pools)  # its matmuls (bmm FP32)
+        return
+    if regime == "compiled":
+        t.tok("mla", 2 * ql * a + 2 * kvl * a + 2 * 4)  # q_a/kv_a outputs and their normalised copies, rsqrt
+        if cuda:  # cuDNN: q, k/v (the kv_b output), output, log-sum-exp, boolean mask
+            t.tok("attention", (h * dqk + h * (dqk + dv) + h * dv) * a + 4 * h + keys)
+        else:  # math path: FP32 probabilities and FP32 q, k, v; the o_proj input
+            t.tok("attention", 4 * h * keys + 4 * h * (2 * dqk + dv) + h * dv * a)
+        t.tok("block_out", d * a)
+        if with_index:
+            t.tok("indexer", 4 * ih * idim + 4 * ih * pools + ih * pools  # q FP32, ReLU output, ReLU mask
+                  + 4 * idim / kp + 8 + ih * a + 2 * idim * a + 8)  # pooled keys, slot ids, weights, wk/gate, LN
+        return
+    # eager
+    if not c.fp32_params and with_index:
+        t.fixed("indexer", kp * idim * 4)
+    t.tok("mla", d * a + (4 * ql + 4 + ql * a) + ql * a + (4 * kvl + 4 + kvl * a) + kvl * a)
+    if cuda:
+        t.tok("attention", (h * dqk + h * (dqk + dv) + h * dv) * a + 4 * h + keys * a)  # + the float bias
+    else:
+        t.tok("attention", 4 * h * keys + 4 * h * (2 * dqk + dv))
+    t.tok("mla", h * dv * a)  # o_proj input
+    if with_index:
+        acc = 8 * idim if args.kpool_fp32_accumulate else 4 * idim + 2 * idim * a
+        t.tok("indexer", 4 * ih * idim + 4 * ih * pools + 4 * ih + 4 * idim / kp  # q FP32, ReLU, weights, pooled
+              + idim * a + 2 * a + 8 + acc)  # wk output (LayerNorm), its statistics, slot ids, softmax/products
+
+
+def _dense_mlp(t: _Terms, regime: str, width: int, name: str) -> None:
+    a, d = t.ctx.act, t.ctx.args.hidden_size
+    if regime == "full":
+        return
+    if regime == "selective":
+        t.tok(name, 2 * width * a + d * a)  # gate, up, down outputs
+    elif regime == "compiled":
+        t.tok(name, 3 * width * a)  # gate, up, their SwiGLU product
+    else:
+        t.tok(name, d * a + 6 * width * a)  # input, SwiGLU's clamps and products, down input
+
+
+def _moe(t: _Terms, regime: str) -> None:
+    c, a = t.ctx, t.ctx.act
+    args = c.args
+    d, e, k, ie = args.hidden_size, args.n_routed_experts, args.num_experts_per_tok, args.moe_intermediate_size
+    shared = ie * args.n_shared_experts
+    if regime == "full":
+        return
+    if regime == "selective":  # router matmul, shared expert GEMMs; the grouped GEMMs are recomputed
+        t.tok("router", 4 * e)
+        _dense_mlp(t, regime, shared, "shared_expert")
+        return
+    if not c.fp32_params:
+        t.fixed("router", e * d * 4)  # weight.float()
+    if regime == "compiled":
+        t.tok("router", 4 * d + 4 * e + 3 * 8 * k + 4 * k + 2 * k)  # FP32 input, logits, ids/order/token, weights
+        t.tok("experts", 2 * k * d * a + 3 * k * ie * a)  # gathered rows, down output; gate, up, SwiGLU
+        _dense_mlp(t, regime, shared, "shared_expert")
+        t.tok("block_out", 2 * d * a)  # the combine buffer and the MoE output
+        return
+    t.tok("router", 4 * d + 4 * e + 8 * k + 4 * k + 4)  # FP32 input, sigmoid, top-k ids, weights, norm
+    t.tok("experts", 2 * 8 * k + 2 * k + 3 * k * d * a + k * ie * a + 5 * k * ie * a)
+    _dense_mlp(t, regime, shared, "shared_expert")
+
+
+# --------------------------------------------------------------------------------------------- blocks
+def saved(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bool = False) -> dict[str, float]:
+    """Bytes one block keeps from its forward to its backward, by term (kind: kda_dense | kda_moe | dsa_dense |
+    dsa_moe | mtp)."""
+    if regime not in REGIMES:
+        raise ValueError(f"unknown regime {regime!r}; choose from {REGIMES}")
+    t = _Terms(ctx)
+    args, a = ctx.args, ctx.act
+    d, n = args.hidden_size, args.hc_mult
+    ints = 8 * (3 if "dsa" in kind or kind == "mtp" else 2)  # document ids, positions (and keys) [B, T] int64
+    if kind == "mtp":
+        if regime != "eager":  # trunk hidden states, next-token embeddings (eager keeps their FP32 copies instead)
+            t.tok("inputs", 2 * d * a + (ints if regime in ("full", "selective") else 0))
+        if regime == "full":
+            return t.out
+        if regime == "compiled":
+            t.tok("mtp", 2 * d * a + 5 * d * a + 5 * 4)  # eh_proj input; x, x + a, x + m and two norm outputs
+        elif regime == "eager":
+            t.tok("mtp", 5 * (4 * d + 4 + d * a) + 2 * d * a)  # five norms, the eh_proj input
+        else:
+            t.tok("mtp", d * a)  # eh_proj output
+        _dsa(t, regime, indexer=True)
+        _moe(t, regime)
+        if regime == "compiled":  # the residual adds need neither the attention output nor the MoE output
+            t.out["block_out"] -= 2 * d * a * ctx.tokens / ctx.tp
+        return t.out
+    if regime == "full":
+        t.tok("inputs", n * d * a + ints)
+        return t.out
+    if regime == "selective":
+        t.tok("inputs", n * d * a + ints)
+        t.tok("streams", n * d * a)  # the attention site's merge matmul (bmm) output
+    elif regime == "compiled":
+        t.tok("norms", d * a)  # the attention site's collapsed input
+    for _ in range(2):
+        _mhc_site(t, regime)
+    _norm(t, regime, d)
+    _norm(t, regime, d)
+    if kind.startswith("kda"):
+        _kda(t, regime)
+    else:
+        _dsa(t, regime, indexer=not shared_indexer)
+    if kind.endswith("moe"):
+        _moe(t, regime)
+    else:
+        _dense_mlp(t, regime, args.intermediate_size, "mlp")
+        if regime == "compiled":
+            t.tok("block_out", d * a)
+    return t.out
+
+
+# ----------------------------------------------------------------------------------------- working sets
+def _per_token(ctx: ActContext, nbytes: float) -> float:
+    return nbytes * ctx.tokens / ctx.tp
+
+
+def forward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bool = False) -> float:
+    """Bytes a block allocates during its forward beyond what it keeps (freed when it returns): under AC the
+    intermediates it does not keep (its compiled inventory), and in every regime the kernels' workspaces and the
+    selection's [T, T] mask construction. An estimate from the code (not measured per block)."""
+    args, a = ctx.args, ctx.act
+    work = 0.0
+    if regime in ("full", "selective"):
+        kept = sum(saved(kind, regime, ctx, shared_indexer=shared_indexer).values())
+        work += max(0.0, sum(saved(kind, "compiled", ctx, shared_indexer=shared_indexer).values()) - kept)
+    d, n = args.hidden_size, args.hc_mult
+    work += _per_token(ctx, n * d * a)  # the block's output streams
+    if kind.startswith("kda"):
+        h, k = args.linear_num_heads, args.linear_head_dim
+        # FLA chunk_kda forward: normalised q/k, w, u, v_new, the FP32 gate cumsum and the chunk states [T/64, H, K, V]
+        work += _per_token(ctx, 5 * h * k * a + 4 * h * k + h * k * k * a / FLA_CHUNK)
+    if "dsa" in kind or kind == "mtp":
+        work += _dsa_forward_work(ctx, indexer=not shared_indexer)
+    if kind.endswith("moe") or kind == "mtp":
+        work += _per_token(ctx, args.num_experts_per_tok * d * a + d * a)  # weighted expert rows, the combine
+    return work
+
+
+def _dsa_forward_work(ctx: ActContext, *, indexer: bool) -> float:
+    args, a = ctx.args, ctx.act
+    keys, pools = ctx.keys, ctx.pools
+    ih, h, dqk = args.index_n_heads, args.num_attention_heads, args.qk_head_dim
+    work = _per_token(ctx, keys * (1 + a))  # the boolean token mask and the attention bias made from it
+    if indexer:
+        if not ctx.collect_stats:  # scores without gradient: the [T, heads, pools] FP32 product and its ReLU
+            work += _per_token(ctx, 2 * 4 * ih * pools)
+        work += _per_token(ctx, 12 * pools + 2 * pools)  # the stable sort (values, indices), visibility/selection
+        if ctx.collect_stats:  # the KL target: causal mask, FP32 keys, per query chunk of 2^28 scores: FP32 queries,
+            # logits, probabilities
+            work += _per_token(ctx, keys) + 4 * h * dqk * ctx.batch * keys + 4 * dqk * 2**28 / keys + 2 * 4 * 2**28
+    return work
+
+
+def backward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bool = False) -> float:
+    """Bytes a block allocates during its backward beyond the activations it kept: the recomputed forward under AC
+    (its compiled inventory less what was kept), and the gradients of its largest intermediates (kernel outputs,
+    expert rows, the streams). An estimate from the code."""
+    args, a = ctx.args, ctx.act
+    d, n = args.hidden_size, args.hc_mult
+    work = 0.0
+    if regime in ("full", "selective"):
+        kept = sum(saved(kind, regime, ctx, shared_indexer=shared_indexer).values())
+        work += max(0.0, sum(saved(kind, "compiled", ctx, shared_indexer=shared_indexer).values()) - kept)
+    work += _per_token(ctx, 2 * n * d * a)  # gradients of the input and output streams
+    if regime == "eager":
+        work += _per_token(ctx, 3 * 4 * n * d)  # the FP32 gradient chain of the mHC mapping
+    if kind.startswith("kda"):
+        h, k = args.linear_num_heads, args.linear_head_dim
+        # FLA chunk_kda backward: dq, dk, dg in FP32, dv, recomputed chunk states and their FP32 gradients
+        work += _per_token(ctx, 3 * 4 * h * k + h * k * a + h * k * k * (a + 4) / FLA_CHUNK + 2 * 4 * h * FLA_CHUNK)
+    if "dsa" in kind or kind == "mtp":
+        h, dqk, dv = args.num_attention_heads, args.qk_head_dim, args.v_head_dim
+        work += _per_token(ctx, h * (2 * dqk + dv) * a + ctx.keys * a)  # dq, dk, dv; the bias again
+        if ctx.collect_stats and not shared_indexer:
+            work += _per_token(ctx, 2 * 4 * args.index_n_heads * ctx.pools)  # gradients of the indexer's scores
+    if kind.endswith("moe") or kind == "mtp":
+        k, ie = args.num_experts_per_tok, args.moe_intermediate_size
+        work += _per_token(ctx, 2 * k * d * a + 2 * k * ie * a)  # gradients of the expert rows and of gate/up
+    elif kind.endswith("dense"):
+        work += _per_token(ctx, 2 * args.intermediate_size * a)
+    return work

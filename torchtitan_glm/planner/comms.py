@@ -1,0 +1,112 @@
+"""Communication of one training step per rank, per collective: bytes each rank sends over the group's links and the
+time at the group's bus bandwidth (NVLink when the group fits in a node, InfiniBand otherwise).
+
+Ring collectives over g ranks move (g - 1) / g of the full tensor per rank (all-gather, reduce-scatter; twice that
+for all-reduce); an all-to-all sends (g - 1) / g of the rank's rows. The mesh is TorchTitan's (dp_replicate,
+dp_shard, cp, tp) with tp innermost, so a group's span in consecutive ranks is tp (TP), cp x tp (CP), ep x tp (EP),
+dp_shard x cp x tp (FSDP) and the world (HSDP replicas).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .activations import ActContext
+from .hardware import GpuSpec
+from .layout import Layout
+from .model import ModelInventory, Unit
+from .params import state_bytes, trainable_unit_bytes, unit_bytes
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective over a step: how often it runs, the bytes per rank over all runs, its link, its time."""
+
+    name: str
+    group: int
+    calls: int
+    bytes_per_rank: float
+    link: str
+    seconds: float
+    overlapped: bool  # runs on a side stream behind compute (FSDP prefetch / reduce-scatter)
+
+
+def _link(span: int, gpu: GpuSpec) -> tuple[str, float]:
+    return ("nvlink", gpu.nvlink_busbw) if span <= gpu.gpus_per_node else ("infiniband", gpu.ib_busbw)
+
+
+def _coll(name: str, group: int, calls: int, full_bytes: float, span: int, gpu: GpuSpec, *, factor: float = 1.0,
+          overlapped: bool = False, a2a: bool = False) -> Collective | None:
+    if group <= 1 or calls == 0 or full_bytes <= 0:
+        return None
+    link, bw = _link(span, gpu)
+    if a2a:
+        bw *= gpu.a2a_efficiency
+    per_rank = factor * (group - 1) / group * full_bytes
+    return Collective(name, group, calls, per_rank, link, per_rank / bw + calls * gpu.collective_latency_s, overlapped)
+
+
+def fsdp_collectives(inv: ModelInventory, layout: Layout, gpu: GpuSpec, *, param_bytes: int, reduce_bytes: int,
+                     with_mtp: bool) -> dict[str, list[Collective]]:
+    """Per unit: the forward all-gather, the backward all-gather (units resharded after forward), the reduce-scatter
+    and (HSDP) the replica all-reduce; dense and expert parameters in their own groups. Keyed by unit name."""
+    out: dict[str, list[Collective]] = {}
+    span = layout.dp_shard * layout.cp * layout.tp
+    for u in inv.units:
+        if u.kind == "mtp" and not with_mtp:
+            continue
+        colls = []
+        for expert in (False, True):
+            part = Unit(u.name, u.kind, tuple(p for p in u.params if p.expert == expert), u.reshard_after_forward)
+            if not part.params:
+                continue
+            group = layout.edp if (expert and layout.ep > 1) else layout.fsdp
+            tag = "experts" if expert else "dense"
+            gathered = unit_bytes(part, layout, dtype_bytes=param_bytes, sharded=False)
+            grads = trainable_unit_bytes(part, layout, dtype_bytes=reduce_bytes)
+            colls.append(_coll(f"fsdp all-gather ({tag})", group, 1 + int(u.reshard_after_forward),
+                               gathered * (1 + int(u.reshard_after_forward)), span, gpu, overlapped=True))
+            colls.append(_coll(f"fsdp reduce-scatter ({tag})", group, 1, grads, span, gpu, overlapped=True))
+            sharded = grads / group
+            colls.append(_coll(f"hsdp all-reduce ({tag})", layout.dp_replicate, 1, sharded, layout.gpus, gpu,
+                               factor=2.0, overlapped=True))
+        out[u.name] = [c for c in colls if c is not None]
+    return out
+
+
+def other_collectives(inv: ModelInventory, layout: Layout, gpu: GpuSpec, ctx: ActContext, *, regime: str,
+                      with_mtp: bool) -> list[Collective]:
+    """Everything on the critical path: replicated-gradient all-reduce, EP all-to-all, TP (sequence parallel), CP."""
+    args, a = inv.args, ctx.act
+    d = args.hidden_size
+    out: list[Collective | None] = []
+    rep = state_bytes(inv, layout).replicated_grads
+    data_ranks = layout.gpus // layout.tp
+    out.append(_coll("replicated FP32 grad all-reduce", data_ranks, 1, rep, layout.gpus, gpu, factor=2.0))
+    layers = [u for u in inv.units if u.kind not in ("embed", "head") and (with_mtp or u.kind != "mtp")]
+    n_moe = sum(1 for u in layers if u.kind.endswith("moe") or u.kind == "mtp")
+    n_kda = sum(1 for u in layers if u.kind.startswith("kda"))
+    n_dsa = sum(1 for u in layers if "dsa" in u.kind or u.kind == "mtp")
+    tokens = ctx.tokens  # this rank's tokens (a TP group shares them)
+    recompute = regime == "full"
+    if layout.ep > 1:  # dispatch + combine, forward and backward (+ the recomputed forward under full AC)
+        calls = n_moe * (4 + 2 * int(recompute))
+        rows = tokens / layout.tp * args.num_experts_per_tok * d * a
+        out.append(_coll("ep all-to-all", layout.ep, calls, rows * calls, layout.ep * layout.tp, gpu, a2a=True))
+    if layout.tp > 1:  # sequence parallel: all-gather before and reduce-scatter after attention and MLP
+        calls = len(layers) * (8 + 4 * int(recompute))
+        out.append(_coll("tp all-gather/reduce-scatter", layout.tp, calls, calls * tokens * d * a, layout.tp, gpu))
+    if layout.cp > 1:
+        h, k = args.linear_num_heads // layout.tp, args.linear_head_dim
+        state = h * k * k * 4  # the KDA state passed along the ranks, forward and backward
+        calls = n_kda * 2 * (1 + int(recompute))
+        # a chain: cp - 1 sequential hops of the whole state, not a ring share
+        out.append(Collective("cp kda state chain", layout.cp, calls, calls * state,
+                              _link(layout.cp * layout.tp, gpu)[0],
+                              calls * (layout.cp - 1) * (state / _link(layout.cp * layout.tp, gpu)[1]
+                                                         + gpu.collective_latency_s), False))
+        row = ctx.batch * ctx.keys * (args.kv_lora_rank + args.index_head_dim / args.index_kpool) * a
+        calls = n_dsa * (2 + int(recompute))  # latent and pooled keys: all-gather forward, reduce-scatter backward
+        out.append(_coll("cp dsa latent all-gather/reduce-scatter", layout.cp, calls, calls * row,
+                         layout.cp * layout.tp, gpu))
+    return [c for c in out if c is not None]
