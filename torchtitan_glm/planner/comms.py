@@ -40,10 +40,14 @@ def _coll(name: str, group: int, calls: int, full_bytes: float, span: int, gpu: 
     if group <= 1 or calls == 0 or full_bytes <= 0:
         return None
     link, bw = _link(span, gpu)
-    if a2a:
-        bw *= gpu.a2a_efficiency
     per_rank = factor * (group - 1) / group * full_bytes
-    return Collective(name, group, calls, per_rank, link, per_rank / bw + calls * gpu.collective_latency_s, overlapped)
+    seconds = per_rank / bw
+    if a2a:  # peers in the rank's node over NVLink, the others over InfiniBand, both at once
+        local = max(1, min(group, gpu.gpus_per_node * group // max(span, 1)))
+        intra = per_rank * (local - 1) / (group - 1)
+        seconds = max(intra / gpu.nvlink_busbw, (per_rank - intra) / gpu.ib_busbw) / gpu.a2a_efficiency
+        link = "nvlink" if local == group else "nvlink+infiniband"
+    return Collective(name, group, calls, per_rank, link, seconds + calls * gpu.collective_latency_s, overlapped)
 
 
 def fsdp_collectives(inv: ModelInventory, layout: Layout, gpu: GpuSpec, *, param_bytes: int, reduce_bytes: int,

@@ -147,8 +147,11 @@ def build_inventory(cfg: JobConfig, *, scope: str) -> ModelInventory:
 
 
 def plan_layout(request: Request, cfg: JobConfig, inv: ModelInventory, layout: Layout, verdict: Verdict,
-                *, regime: str | None = None) -> Plan:
-    """Memory and time of one layout (already validated or marked by `verdict`)."""
+                *, regime: str | None = None, local_batch: int | None = None) -> Plan:
+    """Memory and time of one layout (already validated or marked by `verdict`), optionally with another AC regime
+    or local batch than the config's."""
+    if local_batch is not None:
+        cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, local_batch_size=local_batch))
     if regime is not None:
         ac = {"compiled": "none", "eager": "none"}.get(regime, regime)
         cfg = dataclasses.replace(cfg, activation_checkpoint=dataclasses.replace(cfg.activation_checkpoint, mode=ac))
@@ -194,10 +197,11 @@ def plan(request: Request) -> Plan:
     return plan_layout(request, cfg, inv, layout, verdict)
 
 
-def search(request: Request, *, top: int = 5, regimes: tuple[str, ...] | None = None) -> dict:
-    """Every layout of `request.gpus` GPUs the cost model describes, each AC mode in `regimes` (default: the
-    config's), planned; those that fit ranked by tokens/s. Layouts the trainer rejects are skipped unless
-    `what_if` (then planned and marked)."""
+def search(request: Request, *, top: int = 5, regimes: tuple[str, ...] | None = None,
+           local_batches: tuple[int, ...] | None = None) -> dict:
+    """Every layout of `request.gpus` GPUs the cost model describes, with each AC regime in `regimes` and local batch
+    in `local_batches` (default: the config's), planned; those that fit ranked by tokens/s. Layouts the trainer
+    rejects are skipped unless `what_if` (then planned and marked with its message)."""
     cfg, _, rest = load_request(request)
     inv = build_inventory(cfg, scope="train")
     cands = candidate_layouts(request.gpus, args=inv.args, seq_len=cfg.training.seq_len,
@@ -211,7 +215,8 @@ def search(request: Request, *, top: int = 5, regimes: tuple[str, ...] | None = 
             if not request.what_if:
                 continue
         for regime in regimes:
-            plans.append(plan_layout(request, cfg, inv, layout, verdict, regime=regime))
+            for batch in local_batches or (cfg.training.local_batch_size,):
+                plans.append(plan_layout(request, cfg, inv, layout, verdict, regime=regime, local_batch=batch))
     fitting = sorted((p for p in plans if p.fits), key=lambda p: -p.time.tokens_per_s)
     return {"inventory": inv, "plans": plans, "fitting": fitting, "top": fitting[:top], "candidates": len(cands),
             "rejected": rejected}

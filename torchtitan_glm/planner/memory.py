@@ -140,7 +140,8 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
                 fsdp_buffers=gathered(u) + gathered(nxt))
         w.live["activations"] += s
         kept[u.name] = s
-        by_type[u.kind] = by_type.get(u.kind, 0.0) + s
+        if u.kind != "embed":
+            by_type[u.kind] = by_type.get(u.kind, 0.0) + s
         if ("dsa" in u.kind or u.kind == "mtp") and not u.shared_indexer:
             w.live["loss"] += stats_per_layer
     if not with_mtp:
