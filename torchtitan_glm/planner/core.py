@@ -25,6 +25,46 @@ from .timing import TimePlan, plan_time
 SCHEMA = "torchtitan_glm.plan/1"
 SEARCH_SCHEMA = "torchtitan_glm.plan_search/1"
 MEMORY_BUDGET = 0.90  # a plan fits when its reserve estimate is within this share of the card
+
+# The JSON of one plan (`Plan.to_json`, `scripts/plan.py --json`): field -> (type, meaning). Stable within SCHEMA;
+# tests/unit/test_plan_script.py checks it. Bytes are per GPU; GiB values are rounded to 1/1000.
+PLAN_FIELDS = {
+    "schema": (str, "SCHEMA"),
+    "argv": (list, "the train.py arguments planned"),
+    "scope": (str, "train | bench_train | bench_reference"),
+    "gpu": (str, "GPU model"),
+    "gpus": (int, "world size"),
+    "layout": (dict, "dp_replicate, dp_shard, tp, ep, cp"),
+    "trainer_accepts": (bool, "whether train.py accepts the layout today"),
+    "trainer_message": ((str, type(None)), "the trainer's error for a rejected layout"),
+    "seq_len": (int, "tokens per row"),
+    "local_batch_size": (int, "rows per data-parallel rank"),
+    "tokens_per_step": (int, "global tokens per optimizer step"),
+    "activation_checkpoint": (str, "none | selective | full"),
+    "regime": (str, "eager | compiled | selective | full"),
+    "float8": (str, "the trainer's float8 start-up line"),
+    "memory": (dict, "MEMORY_FIELDS"),
+    "time": (dict, "TIME_FIELDS"),
+    "collectives": (list, "one entry per unit and collective: name, group, calls, bytes_per_rank, link, seconds, "
+                          "overlapped"),
+    "assumptions": (list, "every assumption of the plan, as text"),
+}
+MEMORY_FIELDS = {
+    "peak_gib": (float, "largest allocated sum of the step"), "peak_at": (str, "where in the step"),
+    "reserved_gib": (float, "estimate of the allocator's reserve"), "reserved_at": (str, "where in the step"),
+    "capacity_gib": (float, "the card"), "budget_gib": (float, "MEMORY_BUDGET of the card"),
+    "fits": (bool, "max(peak, reserved) <= budget"),
+    "breakdown_gib": (dict, "at the peak: parameters, gradients, optimizer, activations, fsdp_buffers, working, loss"),
+    "activations_by_layer_type_gib": (dict, "kept activations summed per layer type (+ final_norm, lm_head_ce)"),
+    "activation_terms_gib": (dict, "kept activations summed per term (streams, mhc, kda, mla, attention, ...)"),
+    "state_bytes": ((dict, type(None)), "train scope: params, grads, optimizer and their replicated parts"),
+}
+TIME_FIELDS = {
+    "step_s": (float, "estimated step time"), "tokens_per_s": (float, "global"),
+    "tokens_per_s_per_gpu": (float, "per GPU"), "flops_per_token": (float, "metrics.flops_per_token"),
+    "mfu": ((float, type(None)), "model FLOPs utilisation of the dense BF16 peak"),
+    "compute_s": (dict, "compute seconds by term"), "exposed_comm_s": (dict, "communication not hidden, by kind"),
+}
 _DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 
 

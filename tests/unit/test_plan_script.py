@@ -1,0 +1,97 @@
+"""scripts/plan.py: layouts the trainer rejects are rejected with the trainer's own messages (exit 2), --what-if plans
+them and carries the message, the --json schema (core.PLAN_FIELDS) is what the script prints, and the FLOPs are the
+trainer's."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchtitan_glm.components.metrics import flops_per_token
+from torchtitan_glm.config import ConfigError, load_config
+from torchtitan_glm.distributed.parallel_dims import ParallelDims
+from torchtitan_glm.planner.core import MEMORY_FIELDS, PLAN_FIELDS, SCHEMA, SEARCH_SCHEMA, TIME_FIELDS
+from torchtitan_glm.train import build_model_args
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+from plan import run  # noqa: E402
+
+DEBUG = ["--config", "train_configs/debug_model.toml"]
+
+
+def _trainer_error(argv: list[str], world: int) -> str:
+    """What train.py says for these arguments on `world` ranks (its config, then its mesh validation)."""
+    try:
+        cfg = load_config(argv)
+        ParallelDims.from_config(dp_shard=cfg.parallelism.data_parallel_shard_degree, world_size=world)
+    except (ConfigError, ValueError) as e:
+        return str(e)
+    raise AssertionError(f"the trainer accepts {argv} on {world} ranks")
+
+
+@pytest.mark.parametrize("layout", [
+    ["--parallelism.data_parallel_shard_degree", "3"],  # not the world size: ParallelDims
+    ["--parallelism.data_parallel_shard_degree", "0"],  # a bad value: ParallelismConfig.validate
+    ["--parallelism.tensor_parallel_degree", "2"],  # a key the trainer does not have yet
+])
+def test_rejected_with_the_trainers_message(layout):
+    with pytest.raises((ConfigError, ValueError)) as err:
+        run([*DEBUG, "--gpus", "2", *layout])
+    assert str(err.value) == _trainer_error([*DEBUG, *layout], 2)
+
+
+def test_script_exits_2_with_the_message():
+    layout = ["--parallelism.data_parallel_shard_degree", "3"]
+    res = subprocess.run([sys.executable, "scripts/plan.py", *DEBUG, "--gpus", "2", *layout], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1"))
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr.strip().endswith(f"error: {_trainer_error([*DEBUG, *layout], 2)}")
+
+
+def _check(obj: dict, fields: dict) -> None:
+    assert set(obj) == set(fields), set(obj) ^ set(fields)
+    for key, (types, _) in fields.items():
+        assert isinstance(obj[key], types), (key, obj[key])
+
+
+def test_json_schema_and_trainer_flops():
+    out = json.loads(run([*DEBUG, "--gpus", "2", "--json"]))
+    _check(out, PLAN_FIELDS)
+    _check(out["memory"], MEMORY_FIELDS)
+    _check(out["time"], TIME_FIELDS)
+    assert out["schema"] == SCHEMA and out["trainer_accepts"] and out["trainer_message"] is None
+    assert out["layout"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "ep": 1, "cp": 1}
+    cfg = load_config([*DEBUG])
+    assert out["time"]["flops_per_token"] == flops_per_token(build_model_args(cfg), cfg.training.seq_len)
+    assert out["tokens_per_step"] == 2 * cfg.training.local_batch_size * cfg.training.seq_len
+    for c in out["collectives"]:
+        assert set(c) == {"name", "group", "calls", "bytes_per_rank", "link", "seconds", "overlapped"}
+    mem = out["memory"]
+    assert mem["peak_gib"] == pytest.approx(sum(mem["breakdown_gib"].values()), abs=0.01)
+
+
+def test_what_if_plans_a_rejected_layout_and_keeps_the_message():
+    layout = ["--parallelism.expert_parallel_degree", "2"]
+    out = json.loads(run([*DEBUG, "--gpus", "2", "--json", "--what-if", *layout]))
+    base = json.loads(run([*DEBUG, "--gpus", "2", "--json"]))
+    assert not out["trainer_accepts"] and out["trainer_message"] == _trainer_error([*DEBUG, *layout], 2)
+    assert out["layout"]["ep"] == 2
+    # expert parallelism over both ranks: each holds 4 of the 8 experts whole instead of half of every expert, so
+    # the bytes are the same but no expert is all-gathered any more
+    assert out["memory"]["state_bytes"]["params"] == base["memory"]["state_bytes"]["params"]
+    assert not any("experts" in c["name"] for c in out["collectives"])
+    assert any(c["name"] == "ep all-to-all" for c in out["collectives"])
+    assert any("experts" in c["name"] for c in base["collectives"])
+
+
+def test_search_json():
+    out = json.loads(run([*DEBUG, "--gpus", "2", "--search", "--json", "--ac", "none,full"]))
+    assert out["schema"] == SEARCH_SCHEMA and out["gpus"] == 2 and out["planned"] == 2  # dp_shard=2, two AC modes
+    assert out["rejected_by_trainer"] == out["candidates"] - 1
+    speeds = [p["time"]["tokens_per_s"] for p in out["top"]]
+    assert speeds == sorted(speeds, reverse=True) and all(p["memory"]["fits"] for p in out["top"])
