@@ -16,8 +16,8 @@ from torchtitan_glm.config import JobConfig, load_config
 
 from .activations import ActContext
 from .hardware import GIB, GpuSpec
-from .layout import NEUTRAL_DATA, Layout, Verdict, candidate_layouts, resolve_layout, split_layout_args, \
-    trainer_verdict
+from .layout import NEUTRAL_DATA, Layout, Verdict, candidate_layouts, describable, resolve_layout, \
+    split_layout_args, trainer_verdict
 from .memory import MemoryPlan, StepSetup, plan_memory
 from .model import ModelInventory, build_meta_model, inventory
 from .timing import TimePlan, plan_time
@@ -57,6 +57,7 @@ MEMORY_FIELDS = {
     "breakdown_gib": (dict, "at the peak: parameters, gradients, optimizer, activations, fsdp_buffers, working, loss"),
     "activations_by_layer_type_gib": (dict, "kept activations summed per layer type (+ final_norm, lm_head_ce)"),
     "activation_terms_gib": (dict, "kept activations summed per term (streams, mhc, kda, mla, attention, ...)"),
+    "ce_chunk_working_gib": (float, "the fused CE's per-chunk working set (logits, their gradient, dW partial)"),
     "state_bytes": ((dict, type(None)), "train scope: params, grads, optimizer and their replicated parts"),
 }
 TIME_FIELDS = {
@@ -131,6 +132,7 @@ class Plan:
                 "breakdown_gib": {k: gib(v) for k, v in m.breakdown.items()},
                 "activations_by_layer_type_gib": {k: gib(v) for k, v in m.activations_by_type.items()},
                 "activation_terms_gib": {k: gib(v) for k, v in sorted(m.activation_terms.items())},
+                "ce_chunk_working_gib": gib(m.ce_chunk_working),
                 "state_bytes": state,
             },
             "time": {
@@ -234,6 +236,11 @@ def plan(request: Request) -> Plan:
         if layout.gpus != request.gpus:
             raise PlanError(f"the layout {layout.describe()} uses {layout.gpus} GPUs, not --gpus {request.gpus}")
     inv = build_inventory(cfg, scope=request.scope)
+    if request.scope == "train":
+        why = describable(layout, args=inv.args, seq_len=cfg.training.seq_len,
+                          gpus_per_node=request.gpu.gpus_per_node)
+        if why is not None:
+            raise PlanError(f"the planner cannot describe {layout.describe()}: {why}")
     return plan_layout(request, cfg, inv, layout, verdict)
 
 

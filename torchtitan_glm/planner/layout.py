@@ -143,23 +143,35 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(gpus: int, *, args, seq_len: int, gpus_per_node: int) -> list[Layout]:
-    """Layouts of `gpus` GPUs the cost model can describe: tp within a node and dividing every head count and MLP
-    width it splits; ep dividing the routed experts and dp_shard x cp, a multiple of cp; seq_len divisible by
+def describable(layout: Layout, *, args, seq_len: int, gpus_per_node: int) -> str | None:
+    """Why the cost model cannot describe `layout`, or None: tp within a node and dividing every head count and MLP
+    width it splits; ep dividing the routed experts and dp_shard x cp, and a multiple of cp; seq_len divisible by
     2 x cp x index_kpool (zigzag chunks of whole pools). These are the planner's preconditions (issue 10 states the
     same rules for the trainer); whether the trainer accepts a layout is `trainer_verdict`'s answer."""
+    tp, cp, ep = layout.tp, layout.cp, layout.ep
+    if tp > gpus_per_node:
+        return f"tp={tp} spans more than one node of {gpus_per_node} GPUs"
+    for name in ("linear_num_heads", "num_attention_heads", "intermediate_size", "moe_intermediate_size"):
+        if getattr(args, name) % tp:
+            return f"tp={tp} does not divide {name}={getattr(args, name)}"
+    if cp > 1 and seq_len % (2 * cp * args.index_kpool):
+        return f"seq_len={seq_len} is not divisible by 2 x cp x index_kpool = {2 * cp * args.index_kpool}"
+    if args.n_routed_experts % ep:
+        return f"ep={ep} does not divide n_routed_experts={args.n_routed_experts}"
+    if ep > 1 and ((layout.dp_shard * cp) % ep or ep % cp):
+        return f"ep={ep} must divide dp_shard x cp = {layout.dp_shard * cp} and be a multiple of cp={cp}"
+    return None
+
+
+def candidate_layouts(gpus: int, *, args, seq_len: int, gpus_per_node: int) -> list[Layout]:
+    """Every layout of `gpus` GPUs that `describable` accepts."""
     out = []
     for tp in _divisors(gpus):
-        if tp > gpus_per_node or any(x % tp for x in (args.linear_num_heads, args.num_attention_heads,
-                                                      args.intermediate_size, args.moe_intermediate_size)):
-            continue
         for cp in _divisors(gpus // tp):
-            if seq_len % (2 * cp * args.index_kpool) and cp > 1:
-                continue
             for rep in _divisors(gpus // (tp * cp)):
                 shard = gpus // (tp * cp * rep)
                 for ep in _divisors(shard * cp):
-                    if args.n_routed_experts % ep or (ep > 1 and ep % cp):
-                        continue
-                    out.append(Layout(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, cp=cp))
+                    layout = Layout(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, cp=cp)
+                    if describable(layout, args=args, seq_len=seq_len, gpus_per_node=gpus_per_node) is None:
+                        out.append(layout)
     return out

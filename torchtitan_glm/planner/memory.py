@@ -49,6 +49,7 @@ class MemoryPlan:
     activations_by_type: dict[str, float]
     activation_terms: dict[str, float]
     state: StateBytes | None
+    ce_chunk_working: float = 0.0  # the fused CE's per-chunk working set (logits and their gradient, dW partial)
     timeline: list[tuple[str, float]] = field(default_factory=list)
 
 
@@ -200,7 +201,8 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
             finish_head()
     if train:
         w.point("all-reduce of the replicated FP32 gradients", working=state.replicated_grads)
-    return MemoryPlan(w.peak, w.peak_at, w.reserved, w.reserved_at, w.breakdown, by_type, terms, state, w.timeline)
+    return MemoryPlan(w.peak, w.peak_at, w.reserved, w.reserved_at, w.breakdown, by_type, terms, state, ce_work,
+                      w.timeline)
 
 
 def _unsharded_grads(u: Unit, layout: Layout, setup: StepSetup, train: bool, act: int) -> float:

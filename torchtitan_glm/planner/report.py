@@ -30,8 +30,9 @@ def plan_text(p: Plan) -> str:
     lines = [
         f"plan: {config} on {r.gpus} x {r.gpu.name} (scope {r.scope})",
         f"layout: {p.layout.describe()}; the trainer {verdict}",
-        f"step: seq_len {cfg.training.seq_len} x local batch {cfg.training.local_batch_size} x dp {p.layout.dp} / cp "
-        f"{p.layout.cp} = {t.tokens_per_step:,} tokens; AC {cfg.activation_checkpoint.mode} ({p.regime}); {p.float8_line}",
+        f"step: seq_len {cfg.training.seq_len} x local batch {cfg.training.local_batch_size} x dp {p.layout.dp} = "
+        f"{t.tokens_per_step:,} tokens (each row over cp={p.layout.cp} ranks); AC {cfg.activation_checkpoint.mode} "
+        f"({p.regime}); {p.float8_line}",
         f"memory per GPU: peak {_gib(m.peak)} GiB allocated ({m.peak_at}), reserve estimate {_gib(m.reserved)} GiB "
         f"({m.reserved_at}); budget {_gib(budget)} of {_gib(r.gpu.memory_bytes)} GiB -> {fit}",
         f"  at the peak (GiB): {_row(m.breakdown, _gib)}",
@@ -41,7 +42,8 @@ def plan_text(p: Plan) -> str:
         lines.append(f"  held (GiB): parameters {_gib(s.params)} | gradients {_gib(s.grads)} | optimizer "
                      f"{_gib(s.optimizer)}; of which FP32-kept, replicated: {_gib(s.replicated_params)} | "
                      f"{_gib(s.replicated_grads)} | {_gib(s.replicated_optimizer)}")
-    lines.append(f"  activations kept, by layer type (GiB): {_row(m.activations_by_type, _gib)}")
+    lines.append(f"  activations kept, by layer type (GiB): {_row(m.activations_by_type, _gib)}; the fused CE's "
+                 f"chunk works in {_gib(m.ce_chunk_working)} more")
     top = dict(sorted(m.activation_terms.items(), key=lambda kv: -kv[1])[:8])
     lines.append(f"  largest activation terms (GiB): {_row(top, _gib)}")
     exposed = sum(t.exposed_comm_s.values())
