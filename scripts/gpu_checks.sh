@@ -4,6 +4,8 @@
 #   OUT=./gpu_out bash scripts/gpu_checks.sh            (on the GPU machine, FLA/torchao importable)
 #   STAGES="tests" / "bench" / "fp8" / "train" select parts; *_TIMEOUT bound each part. fp8: the CUDA FP8 tests,
 #   scripts/precision_agreement.py on the proxy, and BF16 vs FP8-split benchmark runs (FP8_RUNS, FP8_SEQ, FP8_SCOPE).
+#   longctx: the Triton sparse-MLA tests, scripts/bench_dsa.py (DSA_SEQ) and the proxy's sequence-length sweep with
+#   the sparse indexer KL (SWEEP_SEQ, SWEEP_RUNS, SWEEP_KL; one compile per T, so split long sweeps across calls).
 # FLA autotunes every Triton kernel per shape on a fresh machine (minutes per shape) and keeps the result in
 # the Triton cache (*.autotune.json). The caches live under .gpu_cache/live (git ignores it; a warm device machine
 # keeps it between calls). At the end the autotune results alone are packed into $OUT/fla_autotune.tgz (KBs; the
@@ -44,6 +46,15 @@ case " $STAGES " in *" fp8 "*)
   timeout "${BENCH_TIMEOUT:-400}" python3 scripts/benchmark.py --flavor glm5_3_flash_proxy --seq-len "${FP8_SEQ:-4096}" \
       --steps 4 --warmup 2 --runs "${FP8_RUNS:-compiled:selective,compiled:selective:fp8}" --scope "${FP8_SCOPE:-train}" \
       --out "$OUT/bench_fp8.json" 2>&1 | tee "$OUT/bench_fp8.log" ;;
+esac
+case " $STAGES " in *" longctx "*)
+  timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/gpu/test_sparse_mla.py -p no:cacheprovider 2>&1 \
+      | tee "$OUT/sparse_mla_tests.log"
+  timeout "${DSA_BENCH_TIMEOUT:-300}" python3 scripts/bench_dsa.py --seq-len "${DSA_SEQ:-8192,32768}" --layer 2>&1 \
+      | tee "$OUT/bench_dsa.log"
+  timeout "${SWEEP_TIMEOUT:-540}" python3 scripts/benchmark.py --flavor glm5_3_flash_proxy --seq-len "${SWEEP_SEQ:-sweep}" \
+      --steps 3 --warmup 1 --docs 3 --runs "${SWEEP_RUNS:-compiled:auto}" --indexer-kl "${SWEEP_KL:-sparse}" \
+      --out "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" ;;
 esac
 case " $STAGES " in *" train "*)
   timeout "${TRAIN_TIMEOUT:-300}" torchrun --nproc-per-node 1 train.py --config train_configs/debug_model.toml \

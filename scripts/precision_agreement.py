@@ -5,6 +5,8 @@
 (a) BF16; (b) the FP8 split (experts and MLPs FP8, indexer / MLA / KDA BF16, as serving runs them); (c) everything
 FP8 (indexer, MLA and KDA projections too). For (b) and (c) against (a): Pearson correlation of the logits, top-1
 agreement, mean KL(a || x) per token, and per DSA layer the overlap of the indexer's selected pools with (a)'s.
+The same numbers for an FP32 forward against (a) give the noise floor BF16 itself sets (with random weights the
+logits are near-uniform, so every perturbation shows; a trained checkpoint, --hf, gives the figures users see).
 Runs on CUDA (the FP8 GEMMs); `--device cpu` runs the same on CPU (torch's CPU _scaled_mm), for small flavors.
 """
 
@@ -25,6 +27,7 @@ from torchtitan_glm.components.tokenizer import build_tokenizer  # noqa: E402
 from torchtitan_glm.config import DataConfig, Float8Config  # noqa: E402
 from torchtitan_glm.float8 import convert_float8  # noqa: E402
 from torchtitan_glm.models.glm5 import Glm5Model, from_pretrained, get_flavor  # noqa: E402
+from torchtitan_glm.models.glm5.dsa import SparseMLA  # noqa: E402
 from torchtitan_glm.models.glm5.hf_io import _cast_for_load  # noqa: E402
 
 VARIANTS = {"fp8_split": ["indexer", "mla", "kda"], "fp8_all": []}
@@ -43,23 +46,34 @@ def corpus_batch(seq_len: int, vocab: int) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def run(model: Glm5Model, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list]:
-    """(final hidden states [T, D], per DSA layer the selected-pool mask) of one forward."""
-    out = model.hidden_states(batch["input_ids"].to(device), doc_ids=batch["doc_ids"].to(device), with_mtp=False,
-                              collect_indexer_stats=True)
-    return out.hidden.flatten(0, 1), [s.selected & s.valid for s in out.indexer_stats]
+    """(final hidden states [T, D], per DSA layer with an indexer the tokens of its selected pools [T, k * kpool]
+    (-1 = none; the query's tail, the same in every variant, left out), the LM head weight) of one forward."""
+    selected = []
+
+    def keep(module, args, output) -> None:
+        indices = output[1]
+        tail = module.kpool - 1 if module.indexer.always_select_tail else 0
+        selected.append(indices[..., : indices.shape[-1] - tail].flatten(0, 1).long())
+
+    hooks = [m.register_forward_hook(keep) for m in model.modules() if isinstance(m, SparseMLA) and m.indexer is not None]
+    try:
+        out = model.hidden_states(batch["input_ids"].to(device), doc_ids=batch["doc_ids"].to(device), with_mtp=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out.hidden.flatten(0, 1), selected, model.lm_head.weight
 
 
 @torch.no_grad()
-def compare(model_a: Glm5Model, ref: tuple, other: tuple, *, chunk: int = 1024) -> dict[str, object]:
-    """Logit agreement of `other` with `ref` (chunks of tokens through the LM head, never all logits at once)."""
-    (ha, sel_a), (hb, sel_b) = ref, other
-    w = model_a.lm_head.weight
-    sums = torch.zeros(5, dtype=torch.float64, device=w.device)  # x, y, xx, yy, xy
+def compare(ref: tuple, other: tuple, *, chunk: int = 1024) -> dict[str, object]:
+    """Logit agreement of `other` with `ref` (chunks of tokens through the LM heads in FP32, never all at once)."""
+    (ha, sel_a, wa), (hb, sel_b, wb) = ref, other
+    sums = torch.zeros(5, dtype=torch.float64, device=wa.device)  # x, y, xx, yy, xy
     n = top1 = 0
     kl = 0.0
     for s in range(0, ha.shape[0], chunk):
-        la = (ha[s:s + chunk] @ w.t()).float()
-        lb = (hb[s:s + chunk] @ w.t()).float()
+        la = ha[s:s + chunk].float() @ wa.float().t()
+        lb = hb[s:s + chunk].float() @ wb.float().t()
         x, y = la.double().flatten(), lb.double().flatten()
         sums += torch.stack([x.sum(), y.sum(), (x * x).sum(), (y * y).sum(), (x * y).sum()])
         n += x.numel()
@@ -69,9 +83,12 @@ def compare(model_a: Glm5Model, ref: tuple, other: tuple, *, chunk: int = 1024) 
     sx, sy, sxx, syy, sxy = sums.tolist()
     cov, vx, vy = sxy - sx * sy / n, sxx - sx * sx / n, syy - sy * sy / n
     overlaps = []
-    for a, b in zip(sel_a, sel_b):
-        rows = a.sum(-1) > 0
-        overlaps.append(float(((a & b).sum(-1)[rows].float() / a.sum(-1)[rows].float()).mean()))
+    for a, b in zip(sel_a, sel_b):  # |A & B| / |A| per query, over queries that selected something
+        bs = b.sort(-1).values
+        hit = (bs.gather(-1, torch.searchsorted(bs, a).clamp(max=bs.shape[-1] - 1)) == a) & (a >= 0)
+        count = (a >= 0).sum(-1)
+        rows = count > 0
+        overlaps.append(float((hit.sum(-1)[rows].float() / count[rows].float()).mean()))
     tokens = ha.shape[0]
     return {"pearson": cov / (vx * vy) ** 0.5, "top1_agreement": top1 / tokens, "mean_kl": kl / tokens,
             "indexer_topk_overlap": overlaps}
@@ -101,13 +118,16 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ref = run(base, batch, device)
     result: dict[str, object] = {"flavor": a.hf or a.flavor, "seq_len": a.seq_len, "recipe": a.recipe,
                                  "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    model = copy.deepcopy(base).float()
+    result["fp32"] = compare(ref, run(model, batch, device))
+    del model
     for name, keep in VARIANTS.items():
         model = copy.deepcopy(base)
         convert_float8(model, cfg=Float8Config(enable=True, recipe=a.recipe, keep_bf16=keep))
-        result[name] = compare(base, ref, run(model, batch, device))
+        result[name] = compare(ref, run(model, batch, device))
         del model
     print(f"precision agreement vs BF16, {result['flavor']}, T={a.seq_len}, recipe={a.recipe}:")
-    for name in VARIANTS:
+    for name in ("fp32", *VARIANTS):
         r = result[name]
         overlap = ", ".join(f"{100 * o:.2f}%" for o in r["indexer_topk_overlap"])
         print(f"  {name:9s} pearson {r['pearson']:.6f} | top-1 {100 * r['top1_agreement']:.2f}% | "

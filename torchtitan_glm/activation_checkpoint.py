@@ -2,7 +2,8 @@
 
 Full recomputes the whole block, mHC mixing included; the block is a pure function of its inputs, so the
 recomputed forward re-reads the saved residual streams and never adds them twice. Selective saves the outputs of
-matmuls, attention and the KDA kernel and recomputes the cheap elementwise ops (norms, gates, mHC maps).
+matmuls, attention, the KDA kernel and the DSA indexer's tiled ops (selection, KL with its precomputed gradient),
+and recomputes the cheap elementwise ops (norms, gates, mHC maps).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ def _save_list() -> set:
     for name in ("_grouped_mm", "_scaled_mm", "_scaled_grouped_mm"):
         if hasattr(torch.ops.aten, name):
             ops.add(getattr(torch.ops.aten, name).default)
-    if hasattr(torch.ops, "torchtitan_glm") and hasattr(torch.ops.torchtitan_glm, "kda_fwd"):
-        ops.add(torch.ops.torchtitan_glm.kda_fwd.default)
+    for name in ("kda_fwd", "sparse_mla_fwd", "kpool_topk", "indexer_kl_sparse", "indexer_kl_dense"):
+        if hasattr(torch.ops, "torchtitan_glm") and hasattr(torch.ops.torchtitan_glm, name):
+            ops.add(getattr(torch.ops.torchtitan_glm, name).default)
     return ops
 
 

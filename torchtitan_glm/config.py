@@ -137,6 +137,9 @@ class ModelConfig(_Section):
         self._choice("flavor", sorted(FLAVORS))
         if self.hf_config:
             self._path_exists("hf_config", self.hf_config)
+            problem = hf_model_type_problem(self.hf_config)
+            if problem:
+                self._fail("hf_config", problem)
         try:
             self.model_args()
         except ModelArgsError as e:
@@ -158,7 +161,10 @@ class TrainingConfig(_Section):
     steps: optimizer steps to run (also the LR schedule length); seq_len: tokens per row;
     local_batch_size: rows per data-parallel rank per step; max_norm: global gradient-norm clip (> 0);
     mixed_precision_param / mixed_precision_reduce: FSDP2 MixedPrecisionPolicy param and gradient-reduce dtypes;
-    deterministic: use deterministic algorithms (torch.use_deterministic_algorithms) for reproducible runs.
+    deterministic: use deterministic algorithms (torch.use_deterministic_algorithms) for reproducible runs;
+    on_nonfinite: what a non-finite loss or gradient norm does: "stop" (exit non-zero naming the step and the
+    batch's documents; that state is never saved) or "skip" (drop the step's update, count it in TensorBoard as
+    skipped_steps); max_consecutive_nonfinite: with "skip", stop after this many non-finite steps in a row.
     """
 
     SECTION: ClassVar[str] = "training"
@@ -169,6 +175,8 @@ class TrainingConfig(_Section):
     mixed_precision_param: str = "bfloat16"
     mixed_precision_reduce: str = "float32"
     deterministic: bool = False
+    on_nonfinite: str = "stop"
+    max_consecutive_nonfinite: int = 5
 
     def validate(self) -> None:
         self._require(self.steps >= 1, "steps", "must be >= 1")
@@ -177,6 +185,8 @@ class TrainingConfig(_Section):
         self._require(math.isfinite(self.max_norm) and self.max_norm > 0, "max_norm", "must be a finite number > 0")
         self._choice("mixed_precision_param", _DTYPES)
         self._choice("mixed_precision_reduce", _DTYPES)
+        self._choice("on_nonfinite", ("stop", "skip"))
+        self._require(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite", "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -187,7 +197,10 @@ class DataConfig(_Section):
     per file) or "bin" (pre-tokenized, documents separated by the tokenizer's eos); paths: files or directories
     for jsonl/txt/bin (must be empty for builtin); tokenizer: "byte" (built-in byte-level) or a tokenizer.json
     path (or a directory holding one); text_key: the jsonl field holding the text; bin_dtype: "uint16" or
-    "uint32" element type of .bin files; add_eos: append eos after each text document (bin files already hold it).
+    "uint32" element type of .bin files (their token ids are checked against the model's vocab_size at start);
+    add_eos: append eos after each text document (bin files already hold it); errors: txt files that are not valid
+    UTF-8: "strict" (stop at start, naming the file and byte), "skip" (leave them out, with a warning) or "replace"
+    (decode bad bytes as U+FFFD).
     """
 
     SECTION: ClassVar[str] = "data"
@@ -197,6 +210,7 @@ class DataConfig(_Section):
     text_key: str = "text"
     bin_dtype: str = "uint16"
     add_eos: bool = True
+    errors: str = "strict"
 
     def validate(self) -> None:
         self._choice("source", ("builtin", "jsonl", "txt", "bin"))
@@ -212,6 +226,7 @@ class DataConfig(_Section):
                 self._fail("tokenizer", f"directory {self.tokenizer} has no tokenizer.json")
         self._require(bool(self.text_key), "text_key", "must be non-empty")
         self._choice("bin_dtype", ("uint16", "uint32"))
+        self._choice("errors", ("strict", "skip", "replace"))
 
 
 @dataclass(frozen=True)
@@ -271,9 +286,12 @@ class LossConfig(_Section):
     mtp_weight: weight of the multi-token-prediction CE; indexer_kl_coeff: weight of the DSA indexer KL loss;
     indexer_stage: "sparse" (top-k attention, everything trains) or "dense_warmup" (dense attention, only the
     indexer trains; sets the model's dsa_attention="dense"); indexer_sparse_loss: restrict the KL to the selected
-    set (sparse stage only); router_bias_update_rate: aux-loss-free expert-bias step; seq_aux_loss_coeff: weight of
-    the per-sequence balance loss (0 disables); ce_chunk_size: tokens per cross-entropy chunk, so logits of at most
-    this many tokens exist at once.
+    pools, against the sparse attention's own probabilities (sparse stage only; linear in T, where the default KL
+    over all visible pools needs dense attention probabilities, O(T^2) work); router_bias_update_rate:
+    aux-loss-free expert-bias step; seq_aux_loss_coeff: weight of the per-sequence balance loss (0 disables);
+    ce_chunk_size: tokens per cross-entropy chunk, so logits of at most this many tokens exist at once;
+    indexer_tile_elements: elements (FP32: 4 bytes) one working tensor of the DSA
+    indexer's tiled top-k and KL may hold; larger tiles mean fewer kernel launches (GPU), smaller ones less memory.
     """
 
     SECTION: ClassVar[str] = "loss"
@@ -284,6 +302,7 @@ class LossConfig(_Section):
     router_bias_update_rate: float = 1e-3
     seq_aux_loss_coeff: float = 0.0
     ce_chunk_size: int = 4096
+    indexer_tile_elements: int = 1 << 26
 
     def validate(self) -> None:
         for key in ("mtp_weight", "indexer_kl_coeff", "router_bias_update_rate", "seq_aux_loss_coeff"):
@@ -297,21 +316,33 @@ class LossConfig(_Section):
             self._fail("indexer_kl_coeff", "must be > 0 in loss.indexer_stage='dense_warmup': the indexer KL is "
                        "the only trained objective there")
         self._require(self.ce_chunk_size >= 1, "ce_chunk_size", "must be >= 1")
+        self._require(self.indexer_tile_elements >= 1, "indexer_tile_elements", "must be >= 1")
 
 
 @dataclass(frozen=True)
 class ParallelismConfig(_Section):
-    """[parallelism] Device mesh.
+    """[parallelism] Device mesh (TorchTitan's keys). The degrees multiply to the world size:
+    data_parallel_replicate_degree x data_parallel_shard_degree x context_parallel_degree x tensor_parallel_degree.
 
-    data_parallel_shard_degree: FSDP2 shard degree; -1 means all remaining ranks.
+    data_parallel_replicate_degree: HSDP replicas; data_parallel_shard_degree: FSDP2 shard degree, -1 = the rest;
+    tensor_parallel_degree: heads / MLP columns split (DTensor); context_parallel_degree: sequence split (zigzag);
+    expert_parallel_degree: routed experts split; borrows its ranks from data_parallel_shard x context_parallel, so
+    it must divide their product and be a multiple of context_parallel_degree.
     """
 
     SECTION: ClassVar[str] = "parallelism"
+    data_parallel_replicate_degree: int = 1
     data_parallel_shard_degree: int = -1
+    tensor_parallel_degree: int = 1
+    context_parallel_degree: int = 1
+    expert_parallel_degree: int = 1
 
     def validate(self) -> None:
         self._require(self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
                       "data_parallel_shard_degree", "must be -1 (infer) or >= 1")
+        for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "context_parallel_degree",
+                    "expert_parallel_degree"):
+            self._require(getattr(self, key) >= 1, key, "must be >= 1")
 
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -351,6 +382,27 @@ class Float8Config(_Section):
         self._require(len(set(self.keep_bf16)) == len(self.keep_bf16), "keep_bf16", "has duplicates")
 
 
+_HF_MODEL_TYPES = ("glm5_next", "glm5_next_text")
+
+
+def hf_model_type_problem(path: str) -> str | None:
+    """Why `path` (an HF checkpoint directory or config.json) is not a glm5_next model, or None if it is (or says
+    nothing); checked before its keys are read as model arguments, whose errors would not say this."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"cannot read the HF config {file}: {e}"
+    if not isinstance(hf, dict):
+        return f"{file} is not an HF config (a JSON object)"
+    model_type = hf.get("model_type")
+    if model_type is not None and model_type not in _HF_MODEL_TYPES:
+        return (f"{file} has model_type {model_type!r}: this is not a glm5_next checkpoint (expected model_type "
+                f"{' or '.join(map(repr, _HF_MODEL_TYPES))})")
+    return None
+
+
 @dataclass(frozen=True)
 class CheckpointConfig(_Section):
     """[checkpoint] DCP checkpoints and HF import/export.
@@ -360,7 +412,9 @@ class CheckpointConfig(_Section):
     to start from when the folder holds no checkpoint; initial_load_in_hf: that path is an HF safetensors checkpoint;
     last_save_in_hf: the final save is HF safetensors (needs enable); export_dtype: dtype of HF exports;
     export_fp8: the HF export uses the released FP8 layout (E4M3 + 128x128 block scales for what float8.keep_bf16
-    does not keep, modules_to_not_convert for the rest) for serving.
+    does not keep, modules_to_not_convert for the rest) for serving;
+    load_step: the checkpoint step to resume from (-1: the newest one that verifies; a corrupt or incomplete newer
+    one is reported and skipped).
     """
 
     SECTION: ClassVar[str] = "checkpoint"
@@ -374,6 +428,7 @@ class CheckpointConfig(_Section):
     last_save_in_hf: bool = False
     export_dtype: str = "bfloat16"
     export_fp8: bool = False
+    load_step: int = -1
 
     def validate(self) -> None:
         self._require(bool(self.folder), "folder", "must be non-empty")
@@ -384,6 +439,11 @@ class CheckpointConfig(_Section):
             self._path_exists("initial_load_path", self.initial_load_path)
         if self.initial_load_in_hf and not self.initial_load_path:
             self._fail("initial_load_in_hf", "is true but checkpoint.initial_load_path is empty")
+        if self.initial_load_in_hf:
+            problem = hf_model_type_problem(self.initial_load_path)
+            if problem:
+                self._fail("initial_load_path", problem)
+        self._require(self.load_step == -1 or self.load_step >= 1, "load_step", "must be -1 (newest) or >= 1")
         if self.last_save_in_hf and not self.enable:
             self._fail("last_save_in_hf", "is true but checkpoint.enable is false (nothing is saved)")
         self._choice("export_dtype", _DTYPES)

@@ -1,34 +1,45 @@
-"""The Trainer: build (mesh, model, FSDP2/compile/AC, optimizer, data, checkpoints), then the training loop."""
+"""The Trainer: check the inputs, build (mesh, model, FSDP2/compile/AC, optimizer, checkpoints), resume, then the
+training loop with its non-finite guard and graceful stop on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
 import os
 import time
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan_glm.components import loss as losses
-from torchtitan_glm.components.checkpoint import CheckpointManager
+from torchtitan_glm.components.checkpoint import CheckpointManager, list_checkpoints, step_dir
 from torchtitan_glm.components.data import build_dataloader
+from torchtitan_glm.components.errors import CheckpointError, NonFiniteError, is_expected, one_line, run_job
+from torchtitan_glm.components.logs import init_logging, startup_summary
 from torchtitan_glm.components.lr_scheduler import build_lr_scheduler
 from torchtitan_glm.components.metrics import (
     DeviceMemoryMonitor, build_metrics_logger, flops_per_token, format_step_line, get_peak_flops, throughput,
 )
 from torchtitan_glm.components.optimizer import build_optimizer, clip_grad_norm_
-from torchtitan_glm.components.tokenizer import build_tokenizer
-from torchtitan_glm.config import JobConfig, load_config, main_guard
-from torchtitan_glm.distributed.parallel_dims import ParallelDims
+from torchtitan_glm.components.resume import resume_mismatches, run_info, schedule_note
+from torchtitan_glm.components.signals import StopRequest
+from torchtitan_glm.components.tokenizer import build_tokenizer, check_vocab_fits
+from torchtitan_glm.config import ConfigError, JobConfig, load_config, main_guard
+from torchtitan_glm.distributed.parallel_dims import ParallelDims, validate_model_layout, world_size_from_env
 from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8, precompute_float8_scales
 from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs
 from torchtitan_glm.models.glm5.model import mtp_targets
-from torchtitan_glm.models.glm5.parallelize import (
-    allreduce_replicated_grads, broadcast_replicated_params, parallelize_glm5,
-)
+from torchtitan_glm.models.glm5.parallelize import parallelize_glm5
+
+logger = logging.getLogger(__name__)
 
 # Models up to this size are initialised whole on every rank before sharding, which makes the initial weights
 # independent of the world size; larger ones are built on meta and initialised shard by shard.
 _MATERIALIZE_INIT_MAX_PARAMS = 2_000_000_000
+_DOCS_IN_MESSAGE = 5  # documents named in a non-finite error line (all of them go to a file)
 
 
 def build_model_args(cfg: JobConfig) -> Glm5ModelArgs:
@@ -40,7 +51,28 @@ def build_model_args(cfg: JobConfig) -> Glm5ModelArgs:
     stage = "dense" if cfg.loss.indexer_stage == "dense_warmup" else "sparse"
     if cfg.loss.mtp_weight == 0:
         args = args.replace(num_nextn_predict_layers=0)
-    return args.replace(dsa_attention=stage)
+    return args.replace(dsa_attention=stage, indexer_tile_elements=cfg.loss.indexer_tile_elements)
+
+
+def _model_source(cfg: JobConfig) -> str:
+    if cfg.model.hf_config:
+        return f"model.hf_config {cfg.model.hf_config}"
+    if cfg.checkpoint.initial_load_in_hf and cfg.checkpoint.initial_load_path:
+        return f"the HF config of checkpoint.initial_load_path {cfg.checkpoint.initial_load_path}"
+    return f"model.flavor {cfg.model.flavor!r}"
+
+
+class _SkippedSteps(Stateful):
+    """Steps whose update training.on_nonfinite='skip' dropped: in all, and in a row (saved with checkpoints)."""
+
+    def __init__(self) -> None:
+        self.total, self.in_a_row = 0, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"total": self.total, "in_a_row": self.in_a_row}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.total, self.in_a_row = int(state_dict["total"]), int(state_dict["in_a_row"])
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -63,18 +95,41 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
+    """The parallel layout checked against WORLD_SIZE (torchrun sets it before Python starts) and the model args:
+    ConfigErrors naming the keys, raised before any process group starts (main() runs it first: exit 2)."""
+    dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size_from_env())
+    args = build_model_args(cfg)
+    validate_model_layout(dims, args, seq_len=cfg.training.seq_len)
+    if dims.cp > 1:  # ops/kda_cp.py and distributed/cp_layout.py exist; the model and data do not use them yet
+        raise ConfigError("parallelism.context_parallel_degree",
+                          f"{dims.cp}: context parallelism is not wired into the model and data loader yet; use 1")
+    return dims, args
+
+
 class Trainer:
     """Owns everything a run needs; `train()` runs the loop from the restored step to training.steps."""
 
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
+        dims, self.args = check_layout(cfg)
         self.rank, self.world, self.device = init_distributed()
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
-        dims = ParallelDims.from_config(dp_shard=cfg.parallelism.data_parallel_shard_degree, world_size=self.world)
-        self.dp_size = dims.dp_shard
-        self.mesh = dims.build_mesh(self.device.type)
-        self.args = build_model_args(cfg)
+        self.dims = dims
+        self.meshes = dims.build_mesh(self.device.type)
+        # gradients are averaged over the ranks that see different tokens; batches are dealt over dp
+        self.dp_size = dims.dp_cp
+        self.dp_group = self.meshes["dp_cp"].get_group()
+
+        # The inputs are checked before the model is built: a tokenizer that does not fit the model, a bad jsonl
+        # line, a non-UTF-8 txt file or an out-of-vocabulary .bin token id stops every rank here.
+        self.tokenizer = build_tokenizer(cfg=cfg.data)
+        check_vocab_fits(self.tokenizer, vocab_size=self.args.vocab_size, model=_model_source(cfg))
+        self.dataloader = build_dataloader(
+            cfg=cfg.data, tokenizer=self.tokenizer, seq_len=cfg.training.seq_len,
+            local_batch_size=cfg.training.local_batch_size, dp_rank=self.meshes["dp"].get_local_rank(),
+            dp_world_size=dims.dp, seed=cfg.job.seed, vocab_size=self.args.vocab_size)
 
         torch.manual_seed(cfg.job.seed)
         with torch.device("meta"):
@@ -91,36 +146,31 @@ class Trainer:
             for name, p in model.named_parameters():
                 p.requires_grad_(p.requires_grad and ".indexer." in name)
         self.replicated = parallelize_glm5(
-            model, mesh=self.mesh, param_dtype=cfg.training.mixed_precision_param,
+            model, meshes=self.meshes, param_dtype=cfg.training.mixed_precision_param,
             reduce_dtype=cfg.training.mixed_precision_reduce, ac_mode=cfg.activation_checkpoint.mode,
             compile_enable=cfg.compile.enable, compile_backend=cfg.compile.backend, compile_mode=cfg.compile.mode,
             compile_components=cfg.compile.components)
         if not small:
             model.to_empty(device=self.device)
             model.init_weights()
-        broadcast_replicated_params(self.replicated)
+        self.replicated.broadcast()
         self.model = model
 
         self.optimizer = build_optimizer(model=model, cfg=cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(optimizer=self.optimizer, cfg=cfg.lr_scheduler,
                                                total_steps=cfg.training.steps)
-        self.tokenizer = build_tokenizer(cfg=cfg.data)
-        if self.tokenizer.vocab_size > self.args.vocab_size:
-            raise ValueError(f"tokenizer vocabulary ({self.tokenizer.vocab_size}) exceeds the model's vocab_size "
-                             f"({self.args.vocab_size})")
-        self.dataloader = build_dataloader(
-            cfg=cfg.data, tokenizer=self.tokenizer, seq_len=cfg.training.seq_len,
-            local_batch_size=cfg.training.local_batch_size, dp_rank=self.rank, dp_world_size=self.dp_size,
-            seed=cfg.job.seed)
+        self.skipped = _SkippedSteps()
+        self.run_info = run_info(cfg=cfg, args=self.args, tokenizer_vocab_size=self.tokenizer.vocab_size)
         self.checkpointer = CheckpointManager(
             cfg=cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=model, optimizer=self.optimizer,
-            lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
-            hf_load_fn=_hf_load, hf_save_fn=self._hf_save)
+            lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, extra_state={"skipped_steps": self.skipped},
+            hf_load_fn=_hf_load, hf_save_fn=self._hf_save, run_info=self.run_info)
         self.logger = build_metrics_logger(cfg=cfg.metrics, dump_folder=cfg.job.dump_folder, rank=self.rank)
         self.memory = DeviceMemoryMonitor(self.device)
         self.flops_per_token = flops_per_token(self.args, cfg.training.seq_len)
         self.peak_flops = get_peak_flops(torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None)
         self.step = 0
+        self.stop = StopRequest()
 
     def _hf_save(self, model: torch.nn.Module, out_dir: str) -> None:
         from torchtitan_glm.models.glm5.hf_distributed import save_hf_from_sharded
@@ -130,113 +180,256 @@ class Trainer:
                              keep_bf16=self.cfg.float8.keep_bf16)
 
     # ---------------------------------------------------------------------------------------------- step
-    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """One optimizer step (skipped when the loss or gradient norm is not finite); the step's metrics, plus
+        "nonfinite" (what was not finite) and "stop" (a rank received SIGTERM/SIGINT)."""
         cfg = self.cfg.loss
         tokens = batch["input_ids"].to(self.device)
         labels = batch["labels"].to(self.device)
         doc_ids = batch["doc_ids"].to(self.device)
-        count, mtp_count = losses.global_token_counts(labels, mtp_targets(labels))
+        count, mtp_count = losses.global_token_counts(labels, mtp_targets(labels), group=self.dp_group)
         scale = losses.token_scale(count, dp_size=self.dp_size)
         use_mtp = self.model.mtp is not None
         mtp_scale = cfg.mtp_weight * losses.token_scale(mtp_count, dp_size=self.dp_size) if use_mtp else 0.0
         use_kl = cfg.indexer_kl_coeff > 0 and self.args.num_dsa_layers > 0
         out = self.model(tokens, doc_ids=doc_ids, labels=labels, token_scale=scale, mtp_scale=mtp_scale,
-                         collect_indexer_stats=use_kl, seq_aux=cfg.seq_aux_loss_coeff > 0,
+                         collect_indexer_stats=use_kl, indexer_sparse_loss=cfg.indexer_sparse_loss,
+                         seq_aux=cfg.seq_aux_loss_coeff > 0,
                          ce_chunk_size=cfg.ce_chunk_size)
         # Sparse stage: everything trains on CE + MTP (+ KL for the indexer). Dense warm-up: only the indexer's
         # parameters require grad, and the KL is its objective; the CE is still computed, for the log.
         total = out.loss if cfg.indexer_stage == "sparse" else out.loss.new_zeros(())
         kl = None
         if use_kl:
-            kl = losses.indexer_kl_loss(out.indexer_stats, sparse=cfg.indexer_sparse_loss)
+            kl = losses.indexer_kl_loss(out.indexer_stats, dp_size=self.dp_size, group=self.dp_group)
             total = total + cfg.indexer_kl_coeff * kl
         if cfg.seq_aux_loss_coeff > 0 and out.moe_stats:
             total = total + cfg.seq_aux_loss_coeff * losses.sequence_aux_loss(out.moe_stats)
         total.backward()
-        allreduce_replicated_grads(self.replicated)
+        self.replicated.allreduce_grads()
         grad_norm = clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
                                     self.cfg.training.max_norm)
-        self.optimizer.step()
-        precompute_float8_scales(self.model, cfg=self.cfg.float8)
-        self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        imbalance = None
-        if out.moe_stats:
-            imbalance = losses.update_router_bias(self.model, [s.counts for s in out.moe_stats],
-                                                  rate=cfg.router_bias_update_rate)
+        # One all-reduce carries the loss sums and this rank's stop request (a signal may reach the ranks at
+        # different moments; the reduced flag is the decision they share). It precedes the optimizer step so that
+        # a non-finite loss (the same on every rank) can skip it.
         sums = torch.stack([out.ce.sum(), out.mtp_ce.sum() if out.mtp_ce is not None else out.ce.new_zeros(()),
-                            kl.detach() if kl is not None else out.ce.new_zeros(())])
+                            kl.detach() if kl is not None else out.ce.new_zeros(()),
+                            out.ce.new_tensor(float(self.stop.signum is not None))])
         if dist.is_initialized():
-            dist.all_reduce(sums)
+            dist.all_reduce(sums)  # over the world, so every rank shares the stop decision
+            sums[:3] /= self.dims.tp  # tensor-parallel ranks hold identical copies of their data ranks' sums
         metrics = {"loss": float(sums[0] / count), "grad_norm": float(grad_norm),
                    "lr": self.lr_scheduler.get_last_lr()[0], "tokens": int(count)}
         if use_mtp:
             metrics["mtp_loss"] = float(sums[1] / mtp_count.clamp_min(1))
         if kl is not None:
             metrics["indexer_kl_loss"] = float(sums[2] / self.dp_size)
-        if imbalance is not None:
+        nonfinite = [f"{k} {metrics[k]}" for k in ("loss", "mtp_loss", "indexer_kl_loss", "grad_norm")
+                     if k in metrics and not math.isfinite(metrics[k])]
+        if not nonfinite:
+            self.optimizer.step()
+            precompute_float8_scales(self.model, cfg=self.cfg.float8)
+        self.lr_scheduler.step()  # the schedule follows the step count, skipped steps included
+        self.optimizer.zero_grad(set_to_none=True)
+        if out.moe_stats and not nonfinite:
+            imbalance = losses.update_router_bias(self.model, [s.counts for s in out.moe_stats],
+                                                  rate=cfg.router_bias_update_rate, group=self.dp_group)
             metrics["expert_load_imbalance"] = float(imbalance.mean())
+        metrics["nonfinite"] = nonfinite
+        metrics["stop"] = bool(sums[3] > 0)
         return metrics
 
     def train(self) -> list[float]:
+        """Resume (or start), log the run summary, train to training.steps; returns the losses of the steps run."""
         cfg = self.cfg
-        restored = self.checkpointer.load()
+        restored = self._resume()
+        if restored is not None and restored >= cfg.training.steps:
+            return []
+        if self.rank == 0:
+            logger.info(startup_summary(cfg=cfg, args=self.args, model=self.model, world=self.world,
+                                        dp_size=self.dims.dp, device=self.device, resume=self._resume_state,
+                                        layout=self.dims.describe()))
         self.step = restored or 0
-        if restored is not None and self.rank == 0:
-            print(f"resumed from the step-{restored} checkpoint in {cfg.job.dump_folder}; training to step "
-                  f"{cfg.training.steps}", flush=True)
         losses_seen: list[float] = []
         steps_total = cfg.training.steps
-        tokens_per_step = cfg.training.seq_len * cfg.training.local_batch_size * self.dp_size
+        tokens_per_step = cfg.training.seq_len * cfg.training.local_batch_size * self.dims.dp
         window_start, window_tokens = time.perf_counter(), 0
         run_start = time.perf_counter()
         self.model.train()
-        while self.step < steps_total:
-            self.step += 1
-            batch = next(self.dataloader)
-            m = self.train_step(batch)
-            losses_seen.append(m["loss"])
-            window_tokens += tokens_per_step
-            if self.step % cfg.metrics.log_freq == 0 or self.step == steps_total:
-                elapsed = time.perf_counter() - window_start
-                tps, tflops, mfu = throughput(tokens=window_tokens // self.dp_size, seconds=elapsed,
-                                              flops_per_token=self.flops_per_token, peak_flops=self.peak_flops)
-                mem = self.memory.get_peak_stats()
-                done = self.step - (restored or 0)
-                eta = (time.perf_counter() - run_start) / max(done, 1) * (steps_total - self.step)
-                m.update(tokens_per_sec=tps, tflops=tflops, peak_memory_gib=mem.max_reserved_gib)
-                if mfu is not None:
-                    m["mfu_pct"] = mfu
-                if self.rank == 0:
-                    extra = {k: m[k] for k in ("mtp_loss", "indexer_kl_loss", "grad_norm", "lr") if k in m}
-                    print(format_step_line(step=self.step, total_steps=steps_total, loss=m["loss"],
-                                           tokens_per_sec=tps, tflops=tflops, mfu_pct=mfu,
-                                           peak_mem_gib=mem.max_reserved_gib, eta_seconds=eta, extra=extra),
-                          flush=True)
-                self.logger.log({k: v for k, v in m.items() if k != "tokens"}, self.step)
-                window_start, window_tokens = time.perf_counter(), 0
-            self.checkpointer.save(self.step, last=self.step == steps_total)
+        with self.stop, self._metrics_kept_on_error():
+            while self.step < steps_total:
+                self.step += 1
+                batch = next(self.dataloader)
+                m = self.train_step(batch)
+                self._guard_nonfinite(m)
+                losses_seen.append(m["loss"])
+                window_tokens += tokens_per_step
+                if self.step % cfg.metrics.log_freq == 0 or self.step == steps_total:
+                    elapsed = time.perf_counter() - window_start
+                    tps, tflops, mfu = throughput(tokens=window_tokens // self.world, seconds=elapsed,
+                                                  flops_per_token=self.flops_per_token, peak_flops=self.peak_flops)
+                    mem = self.memory.get_peak_stats()
+                    done = self.step - (restored or 0)
+                    eta = (time.perf_counter() - run_start) / max(done, 1) * (steps_total - self.step)
+                    m.update(tokens_per_sec=tps, tflops=tflops, peak_memory_gib=mem.max_reserved_gib)
+                    if mfu is not None:
+                        m["mfu_pct"] = mfu
+                    if self.rank == 0:
+                        extra = {k: m[k] for k in ("mtp_loss", "indexer_kl_loss", "grad_norm", "lr") if k in m}
+                        print(format_step_line(step=self.step, total_steps=steps_total, loss=m["loss"],
+                                               tokens_per_sec=tps, tflops=tflops, mfu_pct=mfu,
+                                               peak_mem_gib=mem.max_reserved_gib, eta_seconds=eta, extra=extra),
+                              flush=True)
+                    self.logger.log({k: v for k, v in m.items() if k not in ("tokens", "nonfinite", "stop")},
+                                    self.step)
+                    window_start, window_tokens = time.perf_counter(), 0
+                if m["stop"]:
+                    self._stop_on_signal()
+                    break
+                self.checkpointer.save(self.step, last=self.step == steps_total)
         self.checkpointer.close()
         self.logger.close()
         return losses_seen
 
-    def close(self) -> None:
+    @contextlib.contextmanager
+    def _metrics_kept_on_error(self) -> Iterator[None]:
+        """On an error, write out the buffered TensorBoard events first: the job then exits without teardown."""
+        try:
+            yield
+        except BaseException:
+            self.logger.close()
+            raise
+
+    # -------------------------------------------------------------------------------------------- resume
+    def _resume(self) -> int | None:
+        """Pick the checkpoint to resume from (verified), explain what resuming does, and load it; None for a
+        fresh start (after loading checkpoint.initial_load_path, if set)."""
+        cfg, ck = self.cfg, self.checkpointer
+        step = ck.resume_step()
+        if step is None:
+            ck.load()
+            initial = cfg.checkpoint.initial_load_path
+            self._resume_state = "fresh start" + (f" from the weights in {initial}" if initial else "")
+            return None
+        path = step_dir(ck.root, step)
+        saved = ck.read_run_info(step)
+        if saved is not None:
+            mismatches = resume_mismatches(saved, self.run_info)
+            if mismatches:
+                raise CheckpointError(
+                    f"cannot resume from {path}: {'; '.join(mismatches[:4])}"
+                    + (f" (and {len(mismatches) - 4} more)" if len(mismatches) > 4 else "")
+                    + "; an exact resume needs the same values: set them back, or start fresh with a new "
+                    "--job.dump_folder")
+        if cfg.training.steps < step:
+            raise CheckpointError(
+                f"training.steps={cfg.training.steps} is below the step of the checkpoint to resume, {path}: "
+                f"nothing to train. Raise --training.steps above {step} to continue, pick an earlier checkpoint with "
+                "--checkpoint.load_step, or start fresh with a new --job.dump_folder")
+        if cfg.training.steps == step:
+            if self.rank == 0:
+                logger.info("training is complete: the checkpoint %s is at training.steps=%d; nothing to do (raise "
+                            "--training.steps to train further)", path, step)
+            return step
+        note = schedule_note(saved, self.run_info, step) if saved is not None else None
+        ck.load(step)
+        self._resume_state = (f"resumed from the step-{step} checkpoint {path}, training to step "
+                              f"{cfg.training.steps}; to start fresh instead, use a new --job.dump_folder")
+        if self.rank == 0:
+            logger.info(self._resume_state)
+            if note:
+                logger.warning(note)
+        return step
+
+    # ------------------------------------------------------------------------------------------ stopping
+    def _guard_nonfinite(self, m: dict[str, Any]) -> None:
+        """training.on_nonfinite: stop (NonFiniteError, nothing saved) or count a skipped step; every rank takes
+        the same decision, from all-reduced values."""
+        if not m["nonfinite"]:
+            self.skipped.in_a_row = 0
+            if self.cfg.training.on_nonfinite == "skip":
+                m["skipped_steps"] = self.skipped.total
+            return
+        what = ", ".join(m["nonfinite"])
+        tr = self.cfg.training
+        if tr.on_nonfinite == "skip":
+            self.skipped.total += 1
+            self.skipped.in_a_row += 1
+            m["skipped_steps"] = self.skipped.total
+            self.logger.log({"skipped_steps": self.skipped.total}, self.step)
+            if self.skipped.in_a_row < tr.max_consecutive_nonfinite:
+                if self.rank == 0:
+                    logger.warning("step %d: non-finite %s: skipped its optimizer step (%d in a row; the run stops at "
+                                   "%d, training.max_consecutive_nonfinite)", self.step, what, self.skipped.in_a_row,
+                                   tr.max_consecutive_nonfinite)
+                return
+            cause = (f"{self.skipped.in_a_row} steps in a row had a non-finite loss or gradient norm "
+                     f"(training.max_consecutive_nonfinite={tr.max_consecutive_nonfinite}); the last, step "
+                     f"{self.step}, had {what}")
+        else:
+            cause = f"non-finite {what} at step {self.step} (training.on_nonfinite='stop')"
+        docs = self._batch_documents()
+        listing = os.path.join(self.cfg.job.dump_folder, f"nonfinite-step-{self.step}.txt")
+        if self.rank == 0:
+            os.makedirs(self.cfg.job.dump_folder, exist_ok=True)
+            with open(listing, "w", encoding="utf-8") as f:
+                f.write("\n".join(docs) + "\n")
+        saved = list_checkpoints(self.checkpointer.root)
+        newest = f"; the newest checkpoint is {step_dir(self.checkpointer.root, saved[-1])}" if saved else ""
+        shown = ", ".join(docs[:_DOCS_IN_MESSAGE]) + (f" and {len(docs) - _DOCS_IN_MESSAGE} more"
+                                                    if len(docs) > _DOCS_IN_MESSAGE else "")
+        advice = ("or set training.on_nonfinite='skip'" if tr.on_nonfinite == "stop"
+                  else "or raise training.max_consecutive_nonfinite")
+        raise NonFiniteError(f"{cause}; this state is not saved{newest}. The step's batch came from {shown} (all "
+                             f"in {listing}). Lower optimizer.lr or training.max_norm, check those documents, {advice}")
+
+    def _batch_documents(self) -> list[str]:
+        """Where this step's batch came from, on every rank (collective)."""
+        docs = list(self.dataloader.last_documents)
         if dist.is_initialized():
-            dist.barrier()
+            parts: list[Any] = [None] * self.world
+            dist.all_gather_object(parts, docs)
+            docs = [d for part in parts for d in part]
+        return list(dict.fromkeys(docs))
+
+    def _stop_on_signal(self) -> None:
+        """A SIGTERM/SIGINT reached a rank: save the step just finished and say how to continue."""
+        steps_total = self.cfg.training.steps
+        saved = self.checkpointer.save(self.step, last=self.step == steps_total, force=True)
+        self.checkpointer.close()
+        if self.rank == 0:
+            where = (f"saved checkpoint {step_dir(self.checkpointer.root, self.step)}; run the same command again to "
+                     "resume" if saved else "checkpoint.enable is false: nothing was saved")
+            logger.info("stopped by %s after step %d of %d: %s", self.stop.name or "a signal on another rank",
+                        self.step, steps_total, where)
+
+    def close(self) -> None:
+        """Release the process group (no barrier: after an error elsewhere it could wait forever)."""
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def _hf_load(model: torch.nn.Module, path: str) -> None:
     from torchtitan_glm.models.glm5.hf_distributed import load_hf_weights_into
 
-    load_hf_weights_into(model, path)
+    try:
+        load_hf_weights_into(model, path)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        if is_expected(e):
+            raise
+        raise CheckpointError(f"cannot load the HF checkpoint {path} (checkpoint.initial_load_path): "
+                              f"{one_line(e)}") from e
+
+
+def _run(cfg: JobConfig) -> None:
+    trainer = Trainer(cfg)
+    trainer.train()
+    trainer.close()
 
 
 @main_guard
 def main(argv: list[str] | None = None) -> None:
     cfg = load_config(argv)  # ConfigError -> exit 2 before any process group starts
-    trainer = Trainer(cfg)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+    check_layout(cfg)  # the same for the parallel layout against the world size and the model
+    init_logging(rank=int(os.environ.get("RANK", 0)))
+    run_job(lambda: _run(cfg))  # an error on any rank: reported once, every rank exits within seconds

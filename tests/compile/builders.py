@@ -8,6 +8,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
+from torchtitan_glm.components.loss import indexer_kl_loss
 from torchtitan_glm.models.glm5.args import Glm5ModelArgs, get_flavor
 from torchtitan_glm.models.glm5.dsa import DocLayout
 from torchtitan_glm.models.glm5.model import Glm5Model
@@ -61,17 +62,15 @@ def make_batch(step: int, vocab: int, bsz: int = BATCH, seqlen: int = SEQLEN) ->
     return Batch(tokens, labels.masked_fill(ends, -100), doc_ids)
 
 
-def train_forward(model: nn.Module, batch: Batch, *, token_scale, mtp_scale):
+def train_forward(model: nn.Module, batch: Batch, *, token_scale, mtp_scale, indexer_sparse_loss: bool = False):
     return model(batch.tokens, doc_ids=batch.doc_ids, labels=batch.labels, token_scale=token_scale,
-                 mtp_scale=mtp_scale, collect_indexer_stats=True, ce_chunk_size=LM_CHUNK)
+                 mtp_scale=mtp_scale, collect_indexer_stats=True, indexer_sparse_loss=indexer_sparse_loss,
+                 ce_chunk_size=LM_CHUNK)
 
 
 def training_loss(out) -> torch.Tensor:
-    """LM + MTP loss plus terms that reach the indexer (its KL-loss inputs) so every parameter gets a gradient."""
-    loss = out.loss
-    for s in out.indexer_stats:
-        loss = loss + 1e-2 * (s.logits.log_softmax(-1).masked_fill(~s.valid, 0) * s.target).sum()
-    return loss
+    """LM + MTP loss plus the indexer KL (which reaches the indexer) so every parameter gets a gradient."""
+    return out.loss + 1e-2 * indexer_kl_loss(out.indexer_stats)
 
 
 def block_of(model: Glm5Model, name: str) -> nn.Module:
@@ -82,7 +81,8 @@ def block_of(model: Glm5Model, name: str) -> nn.Module:
 
 
 def block_inputs(model: Glm5Model, name: str, *, seed: int = 0, step: int = 0) -> tuple[tuple, dict]:
-    """Seeded (args, kwargs) for calling block `name` the way Glm5Model calls it (stats on, doc boundaries)."""
+    """Seeded (args, kwargs) for calling block `name` the way Glm5Model calls it (doc boundaries, the indexer KL on:
+    the sparse form in the DSA layer, the dense form in the MTP layer, so both KL ops compile)."""
     args = model.args
     gen = torch.Generator().manual_seed(seed)
     d, n = args.hidden_size, args.hc_mult
@@ -93,9 +93,9 @@ def block_inputs(model: Glm5Model, name: str, *, seed: int = 0, step: int = 0) -
         return torch.randn(*shape, generator=gen).requires_grad_(True)
 
     if name.startswith(("kda", "dsa")):
-        return (randn(BATCH, SEQLEN, n, d), doc, doc_ids, None, True, False), {}
+        return (randn(BATCH, SEQLEN, n, d), doc, doc_ids, None, "sparse", False), {}
     if name == "mtp":
-        return (randn(BATCH, SEQLEN, d), randn(BATCH, SEQLEN, d), doc, True, False), {}
+        return (randn(BATCH, SEQLEN, d), randn(BATCH, SEQLEN, d), doc, "dense", False), {}
     if name == "lm_head_loss":
         labels = torch.randint(0, args.vocab_size, (BATCH * SEQLEN,), generator=gen)
         labels[::7] = -100

@@ -25,10 +25,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(args: list[str], *, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+def _command(args: list[str], *, nproc: int = 2, script: Path = ROOT / "train.py",
+             env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The torchrun command line of `script args` on nproc CPU ranks, and its environment (plus `env`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}",
-           str(ROOT / "train.py"), *args]
-    env = dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", OMP_NUM_THREADS="1")
+           str(script), *args]
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return cmd, dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", OMP_NUM_THREADS="1", PYTHONPATH=path,
+                     **(env or {}))
+
+
+def _torchrun(args: list[str], *, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd, env = _command(args, nproc=nproc)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -102,8 +110,8 @@ SHORT = ["--config", "train_configs/debug_model.toml", "--training.seq_len", "64
          "--checkpoint.enable", "true", "--checkpoint.interval", "10", "--metrics.enable_tensorboard", "true"]
 
 
-def test_resume_is_exact(tmp_path):
-    full = _losses(_run_ok(SHORT + [f"--job.dump_folder={tmp_path / 'full'}"]).stdout)
+def test_resume_is_exact(tmp_path, reference_run):
+    full_dir, full = reference_run
     assert sorted(full) == list(range(1, 21))
 
     # The same 20-step job, stopped (SIGKILL) once its step-10 checkpoint is complete, then relaunched.
@@ -127,7 +135,7 @@ def test_resume_is_exact(tmp_path):
     resumed = _losses(_run_ok(SHORT + [f"--job.dump_folder={part_dir}", "--metrics.save_tb_folder=tb_resumed"]).stdout)
     assert sorted(resumed) == list(range(11, 21)), "resume did not continue from step 10"
     # Bit-exact: compare the FP32 loss scalars TensorBoard recorded, not the rounded console text.
-    exact_full, exact_resumed = _tb_losses(tmp_path / "full" / "tb"), _tb_losses(part_dir / "tb_resumed")
+    exact_full, exact_resumed = _tb_losses(full_dir / "tb"), _tb_losses(part_dir / "tb_resumed")
     for step in range(11, 21):
         assert exact_resumed[step] == exact_full[step], (
             f"step {step}: resumed {exact_resumed[step]!r} != uninterrupted {exact_full[step]!r}")

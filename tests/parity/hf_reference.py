@@ -74,6 +74,14 @@ def load_from_hf(ours: torch.nn.Module, hf: torch.nn.Module, prefix: str = "") -
     ours.load_state_dict(hf_to_ours(state), strict=True)
 
 
+def indices_to_mask(indices: torch.Tensor) -> torch.Tensor:
+    """[B, T, K] token indices (-1 = none) -> the [B, T, T] boolean mask they select."""
+    bsz, seqlen, _ = indices.shape
+    mask = torch.zeros(bsz, seqlen, seqlen + 1, dtype=torch.bool, device=indices.device)
+    mask.scatter_(-1, torch.where(indices >= 0, indices.long(), seqlen), True)
+    return mask[..., :seqlen]
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> None:
     """Relative to the largest magnitude of the expected tensor (max-norm relative error)."""
     scale = expected.abs().max().clamp_min(1e-12)
@@ -82,4 +90,4 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-
 
 
 __all__ = ["hf_mod", "hf_config", "our_args", "randomize_", "hf_to_ours", "load_from_hf", "assert_close",
-           "tiny_text_config"]
+           "tiny_text_config", "indices_to_mask"]

@@ -13,7 +13,7 @@ from torchtitan_glm.models.glm5.mhc import HyperConnection
 from torchtitan_glm.models.glm5.moe import MoE
 from torchtitan_glm.models.glm5.seqinfo import doc_positions
 
-from .hf_reference import assert_close, hf_config, hf_mod, load_from_hf, our_args, randomize_
+from .hf_reference import assert_close, hf_config, hf_mod, indices_to_mask, load_from_hf, our_args, randomize_
 
 
 def _doc(bsz: int, seqlen: int) -> DocLayout:
@@ -57,10 +57,12 @@ def test_dsa_block(kpool, topk, seqlen):
     x = torch.randn(2, seqlen, 64)
     with torch.no_grad():
         expected, _, _ = ref(x, attention_mask=torch.ones(2, seqlen, dtype=torch.bool))
-        got, mask, _ = ours(x, doc=_doc(2, seqlen))
+        got, indices, _ = ours(x, doc=_doc(2, seqlen))
     assert_close(got, expected)
+    assert indices.shape == (2, seqlen, min(topk // kpool, seqlen // kpool) * kpool + kpool - 1)
     if seqlen > topk + kpool:
-        assert not mask.all(), "sparse path did not engage"
+        causal = torch.ones(seqlen, seqlen, dtype=torch.bool).tril()
+        assert not torch.equal(indices_to_mask(indices), causal.expand(2, -1, -1)), "sparse path did not engage"
 
 
 def test_moe_and_dense_mlp():

@@ -11,7 +11,7 @@ from torchtitan_glm.models.glm5.dsa import DocLayout, SparseMLA, causal_doc_mask
 from torchtitan_glm.models.glm5.mhc import sinkhorn
 from torchtitan_glm.models.glm5.seqinfo import doc_positions
 
-from .hf_reference import assert_close, hf_config, our_args, randomize_, tiny_text_config
+from .hf_reference import assert_close, hf_config, indices_to_mask, our_args, randomize_, tiny_text_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -79,7 +79,12 @@ def test_indexer_selection_is_causal_and_keeps_tail():
     doc_ids = torch.repeat_interleave(torch.arange(2), lengths).unsqueeze(0)
     doc = DocLayout(*doc_positions(doc_ids, 1, 64, torch.device("cpu")))
     with torch.no_grad():
-        _, mask, _ = attn(torch.randn(1, 64, 64), doc=doc)
+        _, indices, _ = attn(torch.randn(1, 64, 64), doc=doc)
+    assert indices.shape == (1, 64, 8 + 4 - 1)
+    valid = indices[indices >= 0].long()
+    assert len(set(zip(*[x.tolist() for x in torch.nonzero(indices >= 0, as_tuple=True)[:2]], valid.tolist()))) \
+        == valid.numel(), "a query's indices repeat a token"
+    mask = indices_to_mask(indices)
     allowed = causal_doc_mask(doc)
     assert not (mask & ~allowed).any(), "a query attends to a future token or another document"
     pos = doc.pos[0]

@@ -28,3 +28,48 @@ def test_benchmark_script_writes_one_row_per_run(tmp_path, scope):
         ("eager", "none", scope, "off"), ("eager", "selective", scope, "tensorwise")]
     assert all(r["tokens_per_s"] > 0 and r["step_ms"] > 0 for r in rows)
     assert f"scope: {scope}" in proc.stdout
+
+
+def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"})
+
+
+def test_benchmark_sweeps_lengths_with_auto_ac_and_both_kl_forms(tmp_path):
+    rows = []
+    for kl in ("sparse", "dense"):
+        out = tmp_path / f"{kl}.json"
+        proc = _run("scripts/benchmark.py", "--flavor", "debug", "--seq-len", "32,64", "--steps", "1", "--warmup", "0",
+                    "--runs", "eager:auto", "--docs", "2", "--indexer-kl", kl, "--out", str(out))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"indexer KL {kl}, indexer tiles of {1 << 26} elements, 2 document(s) per row" in proc.stdout
+        rows += json.loads(out.read_text())
+    assert [(r["seq_len"], r["ac"], r["indexer_kl"]) for r in rows] == [
+        (32, "selective", "sparse"), (64, "selective", "sparse"), (32, "selective", "dense"), (64, "selective", "dense")]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message shown without CUDA")
+def test_gpu_benchmarks_say_they_need_cuda():
+    proc = _run("scripts/benchmark.py", "--seq-len", "sweep", "--runs", "compiled:auto")
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+    proc = _run("scripts/bench_dsa.py")
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+
+
+def test_bench_dsa_variants_run_on_cpu():
+    """bench_dsa.py's timed closures, run once each on CPU at a small T (the script itself refuses CPU)."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench_dsa", REPO / "scripts" / "bench_dsa.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    idx = bench.causal_selection(40, 19, "cpu")
+    t = torch.arange(40).view(1, 40, 1)
+    assert ((idx <= t) | (idx == -1)).all() and (idx[0, 30] >= 0).all() and (idx[0, 5] >= 0).sum() == 6
+    variants = {**bench.attention_variants(40, 19, device="cpu", dtype=torch.float32),
+                **bench.layer_variants(32, device="cpu", flavor="debug", dtype=torch.float32)}
+    assert len(variants) == 6
+    for fn in variants.values():
+        fn()

@@ -13,6 +13,7 @@ from torch import nn
 
 from torchtitan_glm.config import CheckpointConfig
 from torchtitan_glm.components.checkpoint import CheckpointManager, list_checkpoints, step_dir
+from torchtitan_glm.components.errors import CheckpointError
 
 from tests.distributed._ckpt_worker import _train  # one training loop for the local and the torchrun tests
 
@@ -145,7 +146,7 @@ def test_missing_or_corrupt_step_errors_name_the_path(tmp_path):
     parts = _build(seed=0)
     mgr = _manager(tmp_path, parts)
     mgr.save(1)
-    with pytest.raises(FileNotFoundError, match=str(root / "step-9")):
+    with pytest.raises(CheckpointError, match=f"{root / 'step-9'} does not exist"):
         mgr.load(step=9)
     (root / "step-3").mkdir()
     with pytest.raises(RuntimeError, match=f"{root / 'step-3'}.*incomplete"):
@@ -227,3 +228,107 @@ def test_hf_hooks(tmp_path):
     assert calls[1] == ("save", parts[0], str(root / "hf-step-5"), [5])
     with pytest.raises(ValueError, match="hf_save_fn"):
         _manager(tmp_path, parts, cfg, hf_load_fn=hf_load)
+
+
+# ------------------------------------------------------------------------------------ verified checkpoints
+def _flip(path, n: int = 4096) -> None:
+    """Invert n bytes in the middle of `path` (tensor payload, not the zip headers DCP would notice)."""
+    data = bytearray(path.read_bytes())
+    offset = len(data) // 2
+    end = min(len(data), offset + n)
+    data[offset:end] = bytes(b ^ 0xFF for b in data[offset:end])
+    path.write_bytes(bytes(data))
+
+
+def test_manifest_lists_every_file_with_its_checksum(tmp_path):
+    import hashlib
+    import json
+
+    parts = _build(seed=0)
+    _manager(tmp_path, parts, run_info={"what": "test"}).save(1)
+    folder = tmp_path / "checkpoint" / "step-1"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    on_disk = sorted(p.name for p in folder.iterdir() if p.name != "manifest.json")
+    assert sorted(manifest["files"]) == on_disk and ".metadata" in on_disk and "run.json" in on_disk
+    for name, entry in manifest["files"].items():
+        blob = (folder / name).read_bytes()
+        assert entry == {"size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    assert json.loads((folder / "run.json").read_text()) == {"what": "test"}
+
+
+def test_flipped_bytes_in_the_newest_checkpoint_fall_back_to_the_previous_one(tmp_path, caplog):
+    root = tmp_path / "checkpoint"
+    run_a = _build(seed=0)
+    mgr = _manager(tmp_path, run_a)
+    _train(*run_a, 2)
+    mgr.save(2)
+    ref = {k: v.clone() for k, v in run_a[0].state_dict().items()}
+    _train(*run_a, 2)
+    mgr.save(4)
+    data = next(p for p in (root / "step-4").iterdir() if p.suffix == ".distcp")
+    _flip(data)
+
+    run_b = _build(seed=1)
+    with caplog.at_level("WARNING", logger="torchtitan_glm.components.checkpoint"):
+        assert _manager(tmp_path, run_b).load() == 2
+    for k, v in run_b[0].state_dict().items():
+        assert torch.equal(v, ref[k]), k
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert f"{root / 'step-4'} (is corrupt: {data.name} does not match its checksum)" in warnings[0]
+    assert "resuming from step-2" in warnings[0]
+    # Asked for explicitly, the corrupt one is an error naming it, not a silent fallback.
+    with pytest.raises(CheckpointError, match=rf"checkpoint.load_step=4: checkpoint {root / 'step-4'} is corrupt"):
+        _manager(tmp_path, _build(seed=2), _Cfg(load_step=4)).load()
+    assert _manager(tmp_path, _build(seed=3), _Cfg(load_step=2)).load() == 2
+
+
+def test_missing_completion_marker_is_reported_not_skipped_silently(tmp_path, caplog):
+    root = tmp_path / "checkpoint"
+    parts = _build(seed=0)
+    mgr = _manager(tmp_path, parts)
+    mgr.save(1)
+    mgr.save(2)
+    (root / "step-2" / "manifest.json").unlink()
+    assert list_checkpoints(str(root)) == [1]
+    with caplog.at_level("WARNING", logger="torchtitan_glm.components.checkpoint"):
+        assert _manager(tmp_path, _build(seed=1)).load() == 1
+    assert any(f"{root / 'step-2'} (is incomplete: it has no manifest.json" in r.getMessage() for r in caplog.records)
+    (root / "step-1" / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=rf"no checkpoint in {root} verifies: .*step-2.*step-1 \(is incomplete: "
+                                              r"it has no \.metadata\)"):
+        _manager(tmp_path, _build(seed=1)).load()
+
+
+def test_a_non_finite_state_is_never_saved(tmp_path):
+    from torchtitan_glm.components.errors import NonFiniteError
+
+    root = tmp_path / "checkpoint"
+    parts = _build(seed=0)
+    mgr = _manager(tmp_path, parts, _Cfg(keep_latest_k=1))
+    _train(*parts, 1)
+    mgr.save(1)
+    before = sorted(os.listdir(root))
+    with torch.no_grad():
+        parts[0][3].weight[0, 1] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"not saving step 2: 3.weight hold"):
+        mgr.save(2)
+    with torch.no_grad():
+        parts[0][3].weight[0, 1] = 0.0
+        next(iter(parts[1].state.values()))["exp_avg_sq"][0] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"not saving step 2: optimizer exp_avg_sq of 0.weight hold"):
+        mgr.save(2)
+    assert sorted(os.listdir(root)) == before == ["step-1"], "the good checkpoint must survive"
+
+
+def test_keep_latest_k_never_prunes_newer_checkpoints(tmp_path):
+    """A run resumed from an earlier checkpoint (load_step) prunes only what is older than its own save."""
+    root = str(tmp_path / "checkpoint")
+    parts = _build(seed=0)
+    mgr = _manager(tmp_path, parts, _Cfg(keep_latest_k=3))
+    for s in (2, 4, 6):
+        mgr.save(s)
+    again = _build(seed=1)
+    mgr2 = _manager(tmp_path, again, _Cfg(keep_latest_k=1, load_step=2))
+    assert mgr2.load() == 2
+    assert mgr2.save(3) and list_checkpoints(root) == [3, 4, 6]

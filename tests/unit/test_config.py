@@ -203,3 +203,25 @@ def test_main_guard_exit_code_in_subprocess(tmp_path):
     assert proc.returncode == 2
     assert "training.stepz" in proc.stderr and path in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_reliability_keys_are_validated():
+    assert load_config(["--training.on_nonfinite", "skip", "--data.errors", "skip", "--checkpoint.load_step", "4"])
+    for argv, key in ((["--training.on_nonfinite", "ignore"], "training.on_nonfinite"),
+                      (["--training.max_consecutive_nonfinite", "0"], "training.max_consecutive_nonfinite"),
+                      (["--data.errors", "ignore"], "data.errors"),
+                      (["--checkpoint.load_step", "0"], "checkpoint.load_step")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(argv)
+
+
+def test_hf_dir_that_is_not_glm5_next_says_so(tmp_path):
+    """A Llama checkpoint given as the initial HF load: the error says what it is, not a model-argument detail."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "num_key_value_heads": 8, '
+                                          '"num_attention_heads": 32}')
+    with pytest.raises(ConfigError) as info:
+        load_config([f"--checkpoint.initial_load_path={tmp_path}", "--checkpoint.initial_load_in_hf"])
+    assert info.value.key == "checkpoint.initial_load_path"
+    assert "model_type 'llama': this is not a glm5_next checkpoint" in str(info.value)
+    (tmp_path / "config.json").write_text('{"model_type": "glm5_next_text"}')
+    assert load_config([f"--checkpoint.initial_load_path={tmp_path}", "--checkpoint.initial_load_in_hf"])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from torchtitan_glm.components.data import build_dataloader, builtin_corpus_files
+from torchtitan_glm.components.errors import DataError
 from torchtitan_glm.components.tokenizer import ByteTokenizer
 from torchtitan_glm.config import DataConfig
 
@@ -17,9 +18,9 @@ TOK = ByteTokenizer()
 EOS = TOK.eos_id
 
 
-def make_loader(cfg, *, seq_len=32, batch=4, rank=0, world=1, seed=0, tok=TOK):
+def make_loader(cfg, *, seq_len=32, batch=4, rank=0, world=1, seed=0, tok=TOK, vocab_size=None):
     return build_dataloader(cfg=cfg, tokenizer=tok, seq_len=seq_len, local_batch_size=batch, dp_rank=rank,
-                            dp_world_size=world, seed=seed)
+                            dp_world_size=world, seed=seed, vocab_size=vocab_size)
 
 
 def take(loader, n):
@@ -174,21 +175,29 @@ def test_jsonl_ranks_partition_documents(tmp_path):
     assert sorted(seen[0] + seen[1] + seen[2]) == [f"{i:03d}" for i in range(30)]  # disjoint and complete
 
 
-def test_jsonl_errors_name_file_and_line(tmp_path):
+def test_jsonl_errors_name_file_and_line_when_the_loader_is_built(tmp_path):
+    """Every line is parsed up front: the bad line far from the start stops the build, not step N."""
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"text": "ok"}\n\n{"text": broken}\n')
-    loader = make_loader(DataConfig(source="jsonl", paths=[str(path)]), seq_len=8, batch=1)
-    with pytest.raises(ValueError, match=r"bad\.jsonl:3: invalid JSON"):
-        take(loader, 4)
+    path.write_text('{"text": "ok"}\n\n' * 50 + '{"text": broken}\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:101: invalid JSON"):
+        make_loader(DataConfig(source="jsonl", paths=[str(path)]), seq_len=8, batch=1)
     path2 = tmp_path / "nokey.jsonl"
     path2.write_text('{"body": "x"}\n')
-    with pytest.raises(ValueError, match=r"nokey\.jsonl:1: .*'text'"):
-        next(make_loader(DataConfig(source="jsonl", paths=[str(path2)]), seq_len=8, batch=1))
+    with pytest.raises(DataError, match=r"nokey\.jsonl:1: .*'text'"):
+        make_loader(DataConfig(source="jsonl", paths=[str(path2)]), seq_len=8, batch=1)
     assert next(make_loader(DataConfig(source="jsonl", paths=[str(path2)], text_key="body"), seq_len=8, batch=1))
+    path3 = tmp_path / "latin1.jsonl"
+    path3.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1\.jsonl:2: invalid JSON"):
+        make_loader(DataConfig(source="jsonl", paths=[str(path3)]), seq_len=8, batch=1)
+    path4 = tmp_path / "num.jsonl"
+    path4.write_text('{"text": 3}\n')
+    with pytest.raises(DataError, match=r"num\.jsonl:1: 'text' is int"):
+        make_loader(DataConfig(source="jsonl", paths=[str(path4)]), seq_len=8, batch=1)
 
 
 def test_corpus_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+    with pytest.raises(DataError, match="file not found: .*missing.jsonl"):
         make_loader(DataConfig(source="jsonl", paths=[str(tmp_path / "missing.jsonl")]))
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
@@ -210,6 +219,31 @@ def test_txt_files_are_documents(tmp_path):
     check_structure(bt)
     text = TOK.decode(bt["input_ids"][0].tolist())
     assert "alpha" in text and "beta" in text and "not text" not in text
+
+
+def test_txt_that_is_not_utf8_follows_data_errors(tmp_path):
+    (tmp_path / "a.txt").write_text("alpha " * 3)
+    (tmp_path / "blob.txt").write_bytes("ok ".encode() * 10 + bytes([0xFF, 0x00, 0x9C]) + b"tail")
+    paths = [str(tmp_path)]
+    with pytest.raises(DataError, match=r"blob\.txt is not valid UTF-8 text \(at byte 30 .*data\.errors"):
+        make_loader(DataConfig(source="txt", paths=paths), seq_len=60, batch=1)
+    kept = make_loader(DataConfig(source="txt", paths=paths, errors="skip"), seq_len=40, batch=1)
+    assert kept.stream.corpus.files == [str(tmp_path / "a.txt")]
+    replaced = make_loader(DataConfig(source="txt", paths=paths, errors="replace"), seq_len=200, batch=1)
+    text = TOK.decode(next(replaced)["input_ids"][0].tolist())
+    assert "\ufffd" in text and "alpha" in text
+
+
+def test_batches_name_their_documents(tmp_path):
+    docs = numbered_docs(12)
+    path = write_jsonl(tmp_path / "d.jsonl", docs)
+    loader = make_loader(DataConfig(source="jsonl", paths=[path]), seq_len=16, batch=2)
+    batch = next(loader)
+    text = TOK.decode(batch["input_ids"].reshape(-1).tolist())
+    lines = [int(d.rsplit(":", 1)[1]) for d in loader.last_documents]
+    assert all(d.startswith(path + ":") for d in loader.last_documents)
+    for n in re.findall(r"<(\d{3})>", text):  # every document whose start is in the batch is named
+        assert int(n) + 1 in lines
 
 
 # ---------------------------------------------------------------------------------------------------- bin
@@ -247,6 +281,20 @@ def test_bin_resume_and_epoch_wrap(tmp_path):
     loader = make_loader(cfg, seq_len=s, batch=6, rank=0, world=2)
     first, second = next(loader), next(loader)
     assert torch.equal(first["input_ids"], second["input_ids"])  # one batch = one epoch: it repeats
+
+
+def test_bin_token_ids_are_checked_against_the_vocab(tmp_path):
+    toks = write_bin(tmp_path / "t.bin", 5000, "uint16")
+    cfg = DataConfig(source="bin", paths=[str(tmp_path / "t.bin")])
+    make_loader(cfg, seq_len=16, vocab_size=258)  # max id is eos = 257
+    toks[4321] = 300
+    toks.astype("uint16").tofile(tmp_path / "t.bin")
+    with pytest.raises(DataError, match=r"t\.bin holds token id 300 at position 4321, but the model's vocab_size "
+                                        r"is 258.*data\.bin_dtype \(uint16\)"):
+        make_loader(cfg, seq_len=16, vocab_size=258)
+    loader = make_loader(cfg, seq_len=16, batch=1)  # no vocab given: no check
+    next(loader)
+    assert loader.last_documents == [f"{tmp_path / 't.bin'} row 0 (tokens 0..16)"]
 
 
 def test_bin_errors_name_file(tmp_path):

@@ -59,3 +59,19 @@ def test_train_exits_2_naming_a_bad_float8_key():
                           "--float8.keep_bf16", "indexer,kda,moe"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 2 and "float8.keep_bf16" in res.stderr and "'moe'" in res.stderr
+
+
+def test_hf_config_of_another_model_type_is_named(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "num_key_value_heads": 8}')
+    with pytest.raises(ConfigError) as info:
+        load_config(["--model.hf_config", str(tmp_path)])
+    assert info.value.key == "model.hf_config" and "not a glm5_next checkpoint" in str(info.value)
+
+
+def test_startup_precision_line_names_the_split():
+    from torchtitan_glm.components.logs import precision_line
+
+    cfg = load_config(["--float8.enable", "true", "--float8.recipe", "rowwise"])
+    line = precision_line(cfg.training, cfg.float8)
+    assert "FP8 rowwise Linears, FP8 grouped experts, kept BF16: indexer, mla, kda" in line
+    assert "FP8" not in precision_line(cfg.training, load_config([]).float8)

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan_glm.components.loss import indexer_kl_loss, update_router_bias
 from torchtitan_glm.models.glm5 import Glm5Model, get_flavor
-from torchtitan_glm.models.glm5.dsa import DocLayout, IndexerStats, pool_layout, pooled_attention_target
+from torchtitan_glm.models.glm5.dsa import DocLayout, IndexerStats, pool_last, pool_layout
 from torchtitan_glm.models.glm5.model import mtp_targets
 from torchtitan_glm.models.glm5.moe import MoE
 from torchtitan_glm.models.glm5.seqinfo import doc_positions
+from torchtitan_glm.ops.indexer_kl import indexer_kl_dense, indexer_kl_sparse
 from torchtitan_glm.ops.linear_cross_entropy import linear_cross_entropy
 
 
@@ -89,41 +91,83 @@ def test_model_training_loss_equals_logits_loss():
     assert mtp_targets(labels)[0, 4] == -100 and mtp_targets(labels)[0, 5] == -100 and mtp_targets(labels)[0, 3] == labels[0, 4]
 
 
-def test_pooled_attention_target_and_kl_match_direct_computation():
+def test_dense_indexer_kl_matches_direct_computation():
     torch.manual_seed(0)
-    b, h, t, d, kpool = 1, 3, 19, 8, 4
-    doc_ids = torch.tensor([[0] * 11 + [1] * 8])
+    b, h, t, r, ih, idim, kpool = 1, 3, 19, 8, 2, 4, 4
+    doc_ids = torch.tensor([[0] * 11 + [1] * 6 + [2] * 2])  # 3 complete pools in 4 slots
     doc = DocLayout(*doc_positions(doc_ids, b, t, torch.device("cpu")))
     pools = pool_layout(doc, kpool)
-    q, k = torch.randn(b, h, t, d), torch.randn(b, h, t, d)
-    ends = pools.start + kpool - 1
-    valid = pools.used[:, None] & (ends[:, None] <= torch.arange(t)[None, :, None]) & (pools.key[:, None] == doc.key[:, :, None])
-    target = pooled_attention_target(q, k, doc, pools, valid, scale=0.5, query_chunk=5)
-    logits = torch.randn(b, t, pools.start.shape[1], requires_grad=True)
-    selected = valid & (torch.rand(valid.shape) > 0.3)
-    loss = indexer_kl_loss([IndexerStats(logits, target, valid, selected)], sparse=False)
+    slots = pools.start.shape[1]
+    attn_q, attn_kv = torch.randn(b, t, h, r), torch.randn(b, t, r)
+    q, w = torch.randn(b, t, ih, idim, requires_grad=True), torch.randn(b, t, ih, requires_grad=True)
+    pk = torch.randn(b, slots, idim, requires_grad=True)
+    kl, rows, *_ = indexer_kl_dense(q, w, pk, pools.start, pool_last(pools, kpool, doc), pools.key, doc.key, attn_q,
+                                    attn_kv, 0.5, kpool, 5, True)
+    loss = indexer_kl_loss([IndexerStats(kl, rows)])
 
-    # Direct: loop over queries; attention over same-document past tokens; mass per complete pool.
-    kls = []
+    # Direct: loop over queries; attention over same-document past tokens; mass per complete visible pool.
+    kls, seen = [], set()
     for i in range(t):
         keys = [j for j in range(i + 1) if doc_ids[0, j] == doc_ids[0, i]]
-        att = torch.softmax(torch.stack([(q[0, :, i] * k[0, :, j]).sum(-1) * 0.5 for j in keys], -1), -1).sum(0)
+        att = torch.softmax(torch.stack([attn_q[0, i] @ attn_kv[0, j] * 0.5 for j in keys], -1), -1).sum(0)
         mass = {}
-        for p in range(pools.start.shape[1]):
-            if valid[0, i, p]:
-                s0 = int(pools.start[0, p])
+        for p in range(slots):
+            s0 = int(pools.start[0, p])
+            if pools.used[0, p] and s0 + kpool - 1 <= i and doc_ids[0, s0] == doc_ids[0, i]:
                 mass[p] = sum(float(att[keys.index(j)]) for j in range(s0, s0 + kpool))
         if not mass:
             continue
+        seen.update(mass)
         z = sum(mass.values())
-        for p, m in mass.items():
-            assert math.isclose(float(target[0, i, p]), m / z, rel_tol=1e-5, abs_tol=1e-7)
         ps = list(mass)
-        logq = torch.log_softmax(logits[0, i, ps], -1)
+        scores = torch.stack([(w[0, i] * torch.relu(q[0, i] @ pk[0, p] * idim**-0.5)).sum() for p in ps])
+        logq = torch.log_softmax(scores, -1)
         kls.append(sum((mass[p] / z) * (math.log(mass[p] / z) - logq[n]) for n, p in enumerate(ps)))
-    torch.testing.assert_close(loss, torch.stack(kls).mean(), rtol=1e-5, atol=1e-6)
-    loss.backward()
-    assert logits.grad[~valid].abs().max() == 0 and logits.grad.abs().max() > 0
+    assert int(rows) == len(kls) < t  # queries before the first complete pool of their document do not count
+    want = torch.stack(kls).mean()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(loss, (q, w, pk))
+    for g, e in zip(grads, torch.autograd.grad(want, (q, w, pk))):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    unseen = [p for p in range(slots) if p not in seen]
+    assert unseen and grads[2][0, unseen].abs().max() == 0 and grads[2].abs().max() > 0
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_indexer_kl_is_nan_when_attention_is_nan(mode):
+    """NaN attention upstream (e.g. a diverged run) must show as a NaN KL, not as 0 (it used to log 0); so must NaN
+    index scores."""
+    torch.manual_seed(0)
+    t, kpool = 12, 2
+    doc = DocLayout(*doc_positions(None, 1, t, torch.device("cpu")))
+    pools = pool_layout(doc, kpool)
+    slots = pools.start.shape[1]
+    q, w, pk = torch.randn(1, t, 2, 4), torch.randn(1, t, 2), torch.randn(1, slots, 4)
+    attn_q, attn_kv = torch.randn(1, t, 3, 8), torch.randn(1, t, 8)
+    last = pool_last(pools, kpool, doc)
+    # Sparse form: every visible pool selected (3 at most), then the query's tail.
+    pool_ids = torch.full((1, t, 3), -1)
+    for i in range(t):
+        vis = [p for p in range(slots) if int(last[0, p]) <= i][:3]
+        pool_ids[0, i, : len(vis)] = torch.tensor(vis, dtype=torch.long)
+    tokens = torch.where(pool_ids[..., None] >= 0, pools.start[0, pool_ids.clamp(min=0)][..., None]
+                         + torch.arange(kpool), -1).flatten(2)
+    tail = torch.where((torch.arange(t) % kpool == 0)[None, :, None], torch.arange(t)[None, :, None], -1)
+    indices = torch.cat([tokens, tail], -1).int()
+
+    def kl(q, w, pk, attn_q):
+        if mode == "dense":
+            out = indexer_kl_dense(q, w, pk, pools.start, last, pools.key, doc.key, attn_q, attn_kv, 0.5, kpool, 4,
+                                   False)
+        else:
+            out = indexer_kl_sparse(q, w, pk, pool_ids, attn_q, attn_kv, indices, 0.5, kpool, 4, False)
+        return indexer_kl_loss([IndexerStats(out[0], out[1])])
+
+    finite = kl(q, w, pk, attn_q)
+    assert torch.isfinite(finite) and finite > 0
+    nan = float("nan")
+    for args in ((q, w, pk, torch.full_like(attn_q, nan)), (torch.full_like(q, nan), w, pk, attn_q)):
+        assert torch.isnan(kl(*args))
 
 
 def test_router_bias_moves_toward_balance():

@@ -17,7 +17,7 @@ def test_precision_agreement_on_debug(tmp_path):
                           timeout=300, env={**os.environ, "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
-    for name in ("fp8_split", "fp8_all"):
+    for name in ("fp32", "fp8_split", "fp8_all"):
         assert set(r[name]) == {"pearson", "top1_agreement", "mean_kl", "indexer_topk_overlap"}
         assert 0.9 < r[name]["pearson"] < 1.0 and len(r[name]["indexer_topk_overlap"]) == 1
     assert r["fp8_split"]["mean_kl"] < r["fp8_all"]["mean_kl"]

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from torchtitan_glm.components.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+from torchtitan_glm.components.errors import TokenizerError
+from torchtitan_glm.components.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer, check_vocab_fits
 from torchtitan_glm.config import DataConfig
 from torchtitan_glm.models.glm5.args import get_flavor
 
@@ -62,11 +63,17 @@ def test_hf_tokenizer_config_declares_specials(tmp_path):
 
 
 def test_hf_tokenizer_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.json"):
+    with pytest.raises(TokenizerError, match="nope.json"):
         HFTokenizer(str(tmp_path / "nope.json"))
     _train_tiny_tokenizer(tmp_path / "tokenizer.json", specials=("<unk>",))
-    with pytest.raises(ValueError, match="no eos token"):
+    with pytest.raises(TokenizerError, match="no eos token"):
         HFTokenizer(str(tmp_path / "tokenizer.json"))
     (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(ValueError, match="bad.json"):
+    with pytest.raises(TokenizerError, match="bad.json"):
         HFTokenizer(str(tmp_path / "bad.json"))
+
+
+def test_vocab_fit_is_checked_naming_both_sizes():
+    check_vocab_fits(ByteTokenizer(), vocab_size=259, model="model.flavor 'debug'")
+    with pytest.raises(TokenizerError, match=r"has 259 tokens but the model \(model.flavor 'x'\) has vocab_size 258"):
+        check_vocab_fits(ByteTokenizer(), vocab_size=258, model="model.flavor 'x'")

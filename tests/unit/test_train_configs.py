@@ -12,7 +12,7 @@ from torchtitan_glm.train import build_model_args
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("name", ["debug_model", "glm5_3_flash_proxy", "glm5_3_flash"])
+@pytest.mark.parametrize("name", ["debug_model", "debug_model_2d", "debug_model_ep", "glm5_3_flash_proxy", "glm5_3_flash"])
 def test_config_loads_and_builds(name, tmp_path):
     extra = []
     if name == "glm5_3_flash":  # its data path is a placeholder for the cluster's token file

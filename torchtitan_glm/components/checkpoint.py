@@ -1,13 +1,20 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP): save, resume, keep the latest k, async saves, HF import/export.
+"""Checkpoints with torch.distributed.checkpoint (DCP): save, verify, resume, keep the latest k, async saves, HF
+import/export.
 
 Layout under `{dump_folder}/{cfg.folder}/`:
-  step-{N}/        a complete checkpoint (DCP files + `.metadata`); only folders with this exact name count
+  step-{N}/        a published checkpoint: DCP files + `.metadata`, `run.json` (what the run was: config, model
+                   arguments; compared at resume) and `manifest.json` (size and SHA-256 of every other file)
   step-{N}.tmp/    a save in progress, or the leftover of a crashed one (ignored by load, removed by the next save)
   hf-step-{N}/     the HF export of the last step (cfg.last_save_in_hf)
 
-A save writes `step-{N}.tmp/`, waits until every rank has finished (DCP's final collective writes `.metadata`
-only after all ranks' data is on disk), then rank 0 renames it to `step-{N}`: os.rename is atomic, so a crash at any
-moment leaves either the previous checkpoints alone or the new one complete.
+A save first checks that the state is finite (a non-finite state is never saved), writes `step-{N}.tmp/`, waits
+until every rank has finished (DCP's final collective writes `.metadata` only after all ranks' data is on disk),
+checksums the files (each rank those it wrote), then rank 0 writes the manifest, the completion marker, and renames
+the folder to `step-{N}`: os.rename is atomic, so a crash at any moment leaves either the previous checkpoints
+alone or the new one complete. keep_latest_k then prunes checkpoints older than the new one (never newer ones).
+
+A load verifies the manifest first (the ranks share the files). Without an explicit step (cfg.load_step), a
+corrupt or incomplete newest checkpoint is reported by name and the newest one that verifies is used.
 
 One DCP state dict holds: "model" and "optimizer" (torch.distributed.checkpoint.state_dict getters/setters, so FSDP2
 DTensor shards are saved and resharded), "lr_scheduler", "train_state" (the step), and per-rank
@@ -16,12 +23,15 @@ DTensor shards are saved and resharded), "lr_scheduler", "train_state" (the step
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import pickle
 import random
 import re
 import shutil
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -36,15 +46,20 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchtitan_glm.components.errors import CheckpointError, NonFiniteError
 from torchtitan_glm.float8 import plain_tensors
 
-__all__ = ["CheckpointManager", "list_checkpoints", "step_dir"]
+__all__ = ["CheckpointManager", "list_checkpoints", "step_dir", "MANIFEST", "RUN_INFO"]
 
 logger = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^step-\d+(\.replaced)?\.tmp$")
+_DCP_FILE_RE = re.compile(r"^__(\d+)_\d+\.distcp$")  # FileSystemWriter's per-rank data files
 _METADATA = ".metadata"
+MANIFEST = "manifest.json"  # written last: the completion marker
+RUN_INFO = "run.json"
+_HASH_CHUNK = 8 << 20
 # DCP reports rank failures as CheckpointException, a BaseException (not an Exception).
 _ERRORS = (Exception, dcp.CheckpointException)
 _MODEL, _OPTIMIZER, _LR_SCHEDULER, _TRAIN_STATE = "model", "optimizer", "lr_scheduler", "train_state"
@@ -55,16 +70,49 @@ def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step}")
 
 
-def list_checkpoints(root: str) -> list[int]:
-    """Steps of the complete checkpoints in `root` (named step-N and holding DCP's .metadata), ascending."""
+def _step_folders(root: str) -> list[int]:
+    """Steps of every `step-N` folder in `root`, complete or not, ascending."""
     if not os.path.isdir(root):
         return []
-    steps = []
-    for name in os.listdir(root):
-        m = _STEP_RE.match(name)
-        if m and os.path.isfile(os.path.join(root, name, _METADATA)):
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+    return sorted(int(m.group(1)) for name in os.listdir(root)
+                  if (m := _STEP_RE.match(name)) and os.path.isdir(os.path.join(root, name)))
+
+
+def list_checkpoints(root: str) -> list[int]:
+    """Steps of the complete checkpoints in `root` (named step-N, holding DCP's .metadata and the manifest),
+    ascending. Complete is not verified: load() checks the checksums."""
+    return [s for s in _step_folders(root)
+            if all(os.path.isfile(os.path.join(step_dir(root, s), f)) for f in (_METADATA, MANIFEST))]
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _owned(names: list[str], rank: int, world: int) -> list[str]:
+    """The files `rank` checksums: the DCP data files it wrote (page-cache warm), the others round-robin."""
+    out = []
+    for i, name in enumerate(names):
+        m = _DCP_FILE_RE.match(name)
+        if (int(m.group(1)) if m else i) % world == rank:
+            out.append(name)
+    return out
+
+
+def _file_problem(folder: str, name: str, entry: dict[str, Any]) -> str | None:
+    path = os.path.join(folder, name)
+    if not os.path.isfile(path):
+        return f"{name} is missing"
+    size = os.path.getsize(path)
+    if size != entry["size"]:
+        return f"{name} has {size} bytes, the manifest says {entry['size']}"
+    if _sha256(path) != entry["sha256"]:
+        return f"{name} does not match its checksum"
+    return None
 
 
 class _ModelState(Stateful):
@@ -141,26 +189,30 @@ class CheckpointManager:
     """Saves and restores a run's full state with DCP; see the module docstring for the layout and guarantees.
 
     cfg is the [checkpoint] section (duck-typed: enable, folder, interval, keep_latest_k, async_mode,
-    initial_load_path, initial_load_in_hf, last_save_in_hf). Every rank must build it and call save/load/close at
-    the same points (they are collective when a process group exists). hf_load_fn(model, path) and
-    hf_save_fn(model, out_dir) import/export HF safetensors; they run on every rank.
+    initial_load_path, initial_load_in_hf, last_save_in_hf, load_step). Every rank must build it and call
+    save/load/close at the same points (they are collective when a process group exists). hf_load_fn(model, path)
+    and hf_save_fn(model, out_dir) import/export HF safetensors; they run on every rank. run_info (JSON-able) is
+    saved with each checkpoint as run.json; read_run_info() gives it back.
     """
 
     def __init__(self, *, cfg: Any, dump_folder: str, model: nn.Module, optimizer: torch.optim.Optimizer,
                  lr_scheduler: Any, dataloader: Any, extra_state: dict[str, Stateful] | None = None,
                  hf_load_fn: Callable[[nn.Module, str], None] | None = None,
-                 hf_save_fn: Callable[[nn.Module, str], None] | None = None) -> None:
+                 hf_save_fn: Callable[[nn.Module, str], None] | None = None,
+                 run_info: dict[str, Any] | None = None) -> None:
         if cfg.async_mode not in ("disabled", "async"):
             raise ValueError(f"checkpoint.async_mode must be 'disabled' or 'async', got {cfg.async_mode!r}")
         if cfg.initial_load_path and cfg.initial_load_in_hf and hf_load_fn is None:
             raise ValueError("checkpoint.initial_load_in_hf is set but no hf_load_fn was given")
         if cfg.last_save_in_hf and hf_save_fn is None:
             raise ValueError("checkpoint.last_save_in_hf is set but no hf_save_fn was given")
-        self.cfg, self.model = cfg, model
+        self.cfg, self.model, self.optimizer = cfg, model, optimizer
         self.root = os.path.join(dump_folder, cfg.folder)
         self.hf_load_fn, self.hf_save_fn = hf_load_fn, hf_save_fn
+        self.run_info = run_info
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
         # A private gloo group: CPU collectives for async saves (required when the default group is NCCL) and for
         # the manager's barriers; separate from the default group so a background save never interleaves its
         # collectives with training's (FSDP on gloo uses the default group from the main thread).
@@ -179,31 +231,35 @@ class CheckpointManager:
             if key in self.states:
                 raise ValueError(f"extra_state key {key!r} collides with a built-in checkpoint key")
             self.states[key] = obj
-        self._pending: tuple[Future, int] | None = None
+        self._pending: tuple[Future, int, float, float] | None = None
         self._last_saved_step: int | None = None
+        self._verified: dict[str, str | None] = {}  # folder -> its problem (None: it verified), this process
 
     # ------------------------------------------------------------------------------------------------ save
-    def save(self, step: int, *, last: bool = False) -> bool:
-        """Checkpoint `step` if checkpointing is on and (step % interval == 0 or last); returns whether it saved.
+    def save(self, step: int, *, last: bool = False, force: bool = False) -> bool:
+        """Checkpoint `step` if checkpointing is on and (step % interval == 0 or last or force); returns whether it
+        saved. NonFiniteError (and nothing written) if a parameter or optimizer state is not finite.
 
         In async mode the write continues in the background and the checkpoint appears (is renamed) when the next
-        save or close() waits for it; the last save is always synchronous. With last and cfg.last_save_in_hf, the
-        model is also exported with hf_save_fn to `hf-step-{step}`.
+        save or close() waits for it; the last save (and a forced one) is synchronous. With last and
+        cfg.last_save_in_hf, the model is also exported with hf_save_fn to `hf-step-{step}`.
         """
-        if not self.cfg.enable or not (last or step % self.cfg.interval == 0):
+        if not self.cfg.enable or not (last or force or step % self.cfg.interval == 0):
             return False
         self._finish_pending()
         if step != self._last_saved_step:  # the last save may repeat the interval save of the same step
+            self._check_finite(step)
             tmp = step_dir(self.root, step) + ".tmp"
             self._on_rank0(self._remove_stale_tmp)
             self._train_state.step = step
-            if self.cfg.async_mode == "async" and not last:
+            start = time.perf_counter()
+            if self.cfg.async_mode == "async" and not (last or force):
                 future = dcp.async_save(self.states, checkpoint_id=tmp, storage_writer=self._storage_writer(tmp),
                                         **self._dcp_kw)
-                self._pending = (future, step)
+                self._pending = (future, step, start, time.perf_counter() - start)
             else:
                 dcp.save(self.states, checkpoint_id=tmp, storage_writer=self._storage_writer(tmp), **self._dcp_kw)
-                self._commit(step)
+                self._commit(step, start, None)
             self._last_saved_step = step
         if last and self.cfg.last_save_in_hf:
             out_dir = os.path.join(self.root, f"hf-step-{step}")
@@ -222,25 +278,69 @@ class CheckpointManager:
     def _finish_pending(self) -> None:
         if self._pending is None:
             return
-        future, step = self._pending
+        future, step, start, blocking = self._pending
         self._pending = None
         try:
             future.result()
         except _ERRORS as e:
-            raise RuntimeError(f"async checkpoint save of step {step} into {step_dir(self.root, step)}.tmp "
-                               f"failed: {e}") from e
-        self._commit(step)
+            raise CheckpointError(f"async checkpoint save of step {step} into {step_dir(self.root, step)}.tmp "
+                                  f"failed: {e}") from e
+        self._commit(step, start, blocking)
 
-    def _commit(self, step: int) -> None:
-        """All ranks have written step-N.tmp (DCP's save/async future returns after its final collective): rank 0
-        publishes it with an atomic rename, then prunes to keep_latest_k."""
-        self._on_rank0(lambda: self._publish(step))
-        logger.info("saved checkpoint %s", step_dir(self.root, step))
+    def _check_finite(self, step: int) -> None:
+        """NonFiniteError naming the tensors (any rank's) whose values are not all finite; collective."""
+        names: dict[torch.Tensor, str] = {}
+        checks: list[tuple[str, torch.Tensor]] = []
+        for name, p in self.model.named_parameters():
+            names[p] = name
+            checks.append((name, p))
+        for p, state in self.optimizer.state.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    checks.append((f"optimizer {key} of {names.get(p, '?')}", value))
+        bad = _non_finite([n for n, _ in checks], [t for _, t in checks])
+        if self.distributed:
+            gathered: list[list[str]] = [[] for _ in range(self.world)]
+            dist.all_gather_object(gathered, bad, group=self._pg)
+            bad = sorted({n for names_ in gathered for n in names_})
+        if bad:
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            raise NonFiniteError(f"not saving step {step}: {', '.join(bad[:3])}{more} hold non-finite values "
+                                 f"(the checkpoints in {self.root} are left as they are)")
 
-    def _publish(self, step: int) -> None:
+    def _commit(self, step: int, start: float, blocking: float | None) -> None:
+        """All ranks have written step-N.tmp (DCP's save/async future returns after its final collective): the
+        ranks checksum the files, rank 0 writes run.json and the manifest, publishes the folder with an atomic
+        rename, then prunes to keep_latest_k."""
+        tmp = step_dir(self.root, step) + ".tmp"
+        listing: list[Any] = [None]
+        if self.rank == 0:
+            if self.run_info is not None:
+                _write_json(os.path.join(tmp, RUN_INFO), self.run_info)
+            listing[0] = sorted(n for n in os.listdir(tmp) if n != MANIFEST) if os.path.isdir(tmp) else []
+        if self.distributed:
+            dist.broadcast_object_list(listing, src=0, group=self._pg)
+        mine = {n: {"size": os.path.getsize(os.path.join(tmp, n)), "sha256": _sha256(os.path.join(tmp, n))}
+                for n in _owned(listing[0], self.rank, self.world)}
+        parts: list[Any] = [mine]
+        if self.distributed:
+            parts = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(mine, parts, dst=0, group=self._pg)
+        self._on_rank0(lambda: self._publish(step, {n: e for part in parts for n, e in part.items()}))
+        self._verified.pop(step_dir(self.root, step), None)
+        if self.rank == 0:
+            size = sum(e["size"] for part in parts for e in part.values())
+            took = time.perf_counter() - start
+            timing = f"{took:.1f} s" if blocking is None else f"{blocking:.1f} s blocking, {took:.1f} s in all"
+            logger.info("saved checkpoint step %d (%s, %s) to %s", step, _format_size(size), timing,
+                        step_dir(self.root, step))
+
+    def _publish(self, step: int, files: dict[str, dict[str, Any]]) -> None:
         tmp, final = step_dir(self.root, step) + ".tmp", step_dir(self.root, step)
-        if not os.path.isfile(os.path.join(tmp, _METADATA)):
-            raise RuntimeError(f"checkpoint save wrote no {_METADATA} into {tmp}; not publishing it")
+        if _METADATA not in files:
+            raise CheckpointError(f"checkpoint save wrote no {_METADATA} into {tmp}; not publishing it")
+        _write_json(os.path.join(tmp, MANIFEST), {"step": step, "files": files})
+        _fsync_dir(tmp)
         if os.path.exists(final):  # re-saving a step (e.g. a rerun): move the old one aside, then swap
             old = final + ".replaced.tmp"
             shutil.rmtree(old, ignore_errors=True)
@@ -251,8 +351,8 @@ class CheckpointManager:
             os.rename(tmp, final)
         _fsync_dir(self.root)
         keep = self.cfg.keep_latest_k
-        if keep > 0:
-            for old_step in list_checkpoints(self.root)[:-keep]:
+        if keep > 0:  # only older checkpoints: newer ones (from a run resumed at an earlier step) stay
+            for old_step in [s for s in list_checkpoints(self.root) if s <= step][:-keep]:
                 shutil.rmtree(step_dir(self.root, old_step), ignore_errors=True)
 
     def _remove_stale_tmp(self) -> None:
@@ -277,14 +377,14 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------------ load
     def load(self, step: int | None = None) -> int | None:
-        """Restore the checkpoint of `step` (default: the latest complete one) and return its step.
+        """Restore the checkpoint of `step` (default: resume_step()) and return its step.
 
-        With no checkpoint (or checkpointing off and no step asked for), load cfg.initial_load_path if set (model
-        weights only: HF via hf_load_fn when cfg.initial_load_in_hf, else a DCP folder) and return None: a fresh run.
+        With no checkpoint to resume, load cfg.initial_load_path if set (model weights only: HF via hf_load_fn
+        when cfg.initial_load_in_hf, else a DCP folder) and return None: a fresh run.
         """
         self._finish_pending()
-        if step is None and self.cfg.enable:
-            step = self._latest_step()
+        if step is None:
+            step = self.resume_step()
         if step is not None:
             self._load_step(step)
             return step
@@ -297,34 +397,97 @@ class CheckpointManager:
             logger.info("loaded initial weights from %s", path)
         return None
 
-    def _latest_step(self) -> int | None:
-        """Rank 0's view of the newest complete checkpoint, shared so every rank loads the same one."""
-        steps = list_checkpoints(self.root)
-        found = [steps[-1] if steps else None]
+    def resume_step(self) -> int | None:
+        """The step to resume from, verified: cfg.load_step if set (CheckpointError if it does not verify), else
+        the newest checkpoint that verifies (newer corrupt or incomplete ones reported in one line), else None
+        (none, or checkpointing off). CheckpointError if there are checkpoints but none verifies. Collective."""
+        explicit = getattr(self.cfg, "load_step", -1)
+        if explicit is not None and explicit > 0:
+            problem = self._verify(step_dir(self.root, explicit))
+            if problem:
+                raise CheckpointError(f"checkpoint.load_step={explicit}: checkpoint {step_dir(self.root, explicit)} "
+                                      f"{problem}")
+            return explicit
+        if not self.cfg.enable:
+            return None
+        steps = self._shared(_step_folders(self.root))
+        skipped: list[str] = []
+        for step in reversed(steps):
+            problem = self._verify(step_dir(self.root, step))
+            if problem is None:
+                if skipped and self.rank == 0:
+                    logger.warning("skipping %s; resuming from step-%d, the newest checkpoint that verifies",
+                                   "; ".join(skipped), step)
+                return step
+            skipped.append(f"checkpoint {step_dir(self.root, step)} ({problem})")
+        if skipped:
+            raise CheckpointError(f"no checkpoint in {self.root} verifies: {'; '.join(skipped)}; move them away "
+                                  "to start from scratch, or use a new job.dump_folder")
+        return None
+
+    def read_run_info(self, step: int) -> dict[str, Any] | None:
+        """The run.json saved with the checkpoint of `step` (None for a checkpoint without one)."""
+        path = os.path.join(step_dir(self.root, step), RUN_INFO)
+        if not os.path.isfile(path):
+            return None
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+
+    def _shared(self, value: Any) -> Any:
+        """Rank 0's value of `value`, on every rank (so all ranks take the same decisions about the folder)."""
+        box = [value]
         if self.distributed:
-            dist.broadcast_object_list(found, src=0, group=self._pg)
-        return found[0]
+            dist.broadcast_object_list(box, src=0, group=self._pg)
+        return box[0]
+
+    def _verify(self, folder: str) -> str | None:
+        """Why the checkpoint in `folder` cannot be trusted, or None: present, complete (.metadata and manifest),
+        every file of the manifest with its size and SHA-256. The ranks share the reading. Collective; cached."""
+        if folder in self._verified:
+            return self._verified[folder]
+        head: Any = None
+        if self.rank == 0:
+            head = _manifest_or_problem(folder)
+        head = self._shared(head)
+        if isinstance(head, str):
+            problem: str | None = head
+        else:
+            files = head["files"]
+            mine = [p for n in _owned(sorted(files), self.rank, self.world)
+                    if (p := _file_problem(folder, n, files[n])) is not None]
+            found = [mine]
+            if self.distributed:
+                found = [None] * self.world
+                dist.all_gather_object(found, mine, group=self._pg)
+            problems = sorted(p for part in found for p in part)
+            problem = None if not problems else "is corrupt: " + "; ".join(problems[:3]) + (
+                f" and {len(problems) - 3} more" if len(problems) > 3 else "")
+        self._verified[folder] = problem
+        return problem
 
     def _load_step(self, step: int) -> None:
         path = step_dir(self.root, step)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"checkpoint of step {step} not found: {path} does not exist "
-                                    f"(complete checkpoints in {self.root}: {list_checkpoints(self.root)})")
-        if not os.path.isfile(os.path.join(path, _METADATA)):
-            raise RuntimeError(f"checkpoint {path} is incomplete or corrupt: it has no {_METADATA}")
+        problem = self._verify(path)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} {problem}")
         try:
             dcp.load(self.states, checkpoint_id=path, **self._dcp_kw)
         except _ERRORS as e:
-            raise RuntimeError(f"failed to load checkpoint {path}: {e}") from e
+            raise CheckpointError(f"failed to load checkpoint {path}: {e}") from e
         if self._train_state.step != step:
-            raise RuntimeError(f"checkpoint {path} holds step {self._train_state.step}, not {step}")
+            raise CheckpointError(f"checkpoint {path} holds step {self._train_state.step}, not {step}")
         self._last_saved_step = step
         logger.info("loaded checkpoint %s", path)
 
     def _load_model_only(self, path: str) -> None:
-        """Model weights from a DCP folder: ours (keys under "model.") or a bare model state dict."""
+        """Model weights from a DCP folder: ours (keys under "model."; verified if it has a manifest) or a bare
+        model state dict."""
         if not os.path.isfile(os.path.join(path, _METADATA)):
-            raise FileNotFoundError(f"checkpoint.initial_load_path {path} is not a DCP checkpoint (no {_METADATA})")
+            raise CheckpointError(f"checkpoint.initial_load_path {path} is not a DCP checkpoint (no {_METADATA})")
+        if os.path.isfile(os.path.join(path, MANIFEST)):
+            problem = self._verify(path)
+            if problem:
+                raise CheckpointError(f"checkpoint.initial_load_path {path} {problem}")
         try:
             keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.keys()
             if any(k.startswith(_MODEL + ".") for k in keys):
@@ -334,7 +497,59 @@ class CheckpointManager:
                 dcp.load(sd, checkpoint_id=path, **self._dcp_kw)
                 set_model_state_dict(self.model, sd)
         except _ERRORS as e:
-            raise RuntimeError(f"failed to load model weights from {path}: {e}") from e
+            raise CheckpointError(f"failed to load model weights from {path}: {e}") from e
+
+
+def _manifest_or_problem(folder: str) -> dict[str, Any] | str:
+    """The manifest of a checkpoint folder, or why there is none to verify against."""
+    if not os.path.isdir(folder):
+        root = os.path.dirname(folder)
+        return f"does not exist (complete checkpoints in {root}: {list_checkpoints(root)})"
+    if not os.path.isfile(os.path.join(folder, _METADATA)):
+        return f"is incomplete: it has no {_METADATA}"
+    if not os.path.isfile(os.path.join(folder, MANIFEST)):
+        return f"is incomplete: it has no {MANIFEST} (the completion marker)"
+    try:
+        with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+        if not isinstance(files, dict) or not all({"size", "sha256"} <= set(e) for e in files.values()):
+            raise ValueError("malformed")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"is corrupt: unreadable {MANIFEST} ({e})"
+    return manifest
+
+
+def _non_finite(names: list[str], tensors: list[torch.Tensor]) -> list[str]:
+    """Names of the tensors (local shards of DTensors) holding a NaN or an infinity; one device sync."""
+    flags, kept = [], []
+    for name, t in zip(names, tensors):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if type(local) is not torch.Tensor and hasattr(local, "_tensor"):  # torchao's FP8 all-gather wrapper
+            local = local._tensor
+        if local.numel() == 0 or not (local.is_floating_point() or local.is_complex()):
+            continue
+        lo, hi = torch.aminmax(local.detach())
+        flags.append(torch.isfinite(lo) & torch.isfinite(hi))
+        kept.append(name)
+    if not flags:
+        return []
+    ok = torch.stack([f.to(flags[0].device) for f in flags]).cpu().tolist()
+    return [n for n, good in zip(kept, ok) if not good]
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _format_size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def _fsync_dir(path: str) -> None:

@@ -26,26 +26,21 @@ def token_scale(global_count: torch.Tensor, *, dp_size: int) -> torch.Tensor:
     return dp_size / global_count.clamp_min(1.0)
 
 
-def indexer_kl_loss(stats: list[IndexerStats], *, sparse: bool) -> torch.Tensor:
-    """sum over DSA layers of mean_t KL(p_t || softmax(I_t)) over the pools visible to query t.
+def indexer_kl_loss(stats: list[IndexerStats], *, dp_size: int = 1,
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """sum over DSA layers of mean_t KL(p_t || softmax(I_t)), each layer's KL computed inside it (models/glm5/dsa.py,
+    ops/indexer_kl.py): over the selected pools with loss.indexer_sparse_loss (DeepSeek-V3.2's sparse stage), else over
+    every pool visible to query t. Queries without any candidate pool do not count.
 
-    p_t is the main attention's head-summed probability mass per pool (already L1-normalised, no grad); with
-    `sparse` both distributions are restricted to the pools the sparse attention selected (DeepSeek-V3.2's
-    sparse stage). Queries without any candidate pool do not count.
-    """
-    total = None
-    for s in stats:
-        support = s.valid & s.selected if sparse else s.valid
-        target = s.target * support
-        target = target / target.sum(-1, keepdim=True).clamp_min(1e-20)
-        logq = torch.log_softmax(s.logits.float().masked_fill(~support, float("-inf")), dim=-1)
-        terms = torch.where(target > 0, target * (torch.log(target.clamp_min(1e-30)) - logq), torch.zeros_like(target))
-        rows = support.any(-1)
-        kl = terms.sum(-1)[rows].sum() / rows.sum().clamp_min(1)
-        total = kl if total is None else total + kl
-    if total is None:
+    With a data-parallel `group` the mean is over the counted queries of the whole global batch (one all-reduce of
+    the per-layer counts), scaled by dp_size as the CE is, so that FSDP's gradient average gives the global mean:
+    the objective does not depend on how the batch is split over ranks."""
+    if not stats:
         raise ValueError("indexer_kl_loss needs indexer stats: run the model with collect_indexer_stats=True")
-    return total
+    rows = torch.stack([s.rows.float() for s in stats])
+    if group is not None and dist.is_initialized():
+        dist.all_reduce(rows, group=group)
+    return sum(s.kl_sum * dp_size / r.clamp_min(1) for s, r in zip(stats, rows))
 
 
 def sequence_aux_loss(stats: list[MoEStats]) -> torch.Tensor:

@@ -10,9 +10,10 @@ import json
 import os
 from typing import Protocol, Sequence
 
+from torchtitan_glm.components.errors import TokenizerError
 from torchtitan_glm.config import DataConfig
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "build_tokenizer"]
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "build_tokenizer", "check_vocab_fits"]
 
 
 class Tokenizer(Protocol):
@@ -59,19 +60,20 @@ class HFTokenizer:
 
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
-            raise FileNotFoundError(f"tokenizer file not found: {file}")
+            raise TokenizerError(f"data.tokenizer: tokenizer file not found: {file}")
         try:
             self._tok = _HFTok.from_file(file)
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
-            raise ValueError(f"cannot load tokenizer {file}: {e}") from e
+            raise TokenizerError(f"data.tokenizer: cannot load tokenizer {file}: {e}") from e
         self.path = file
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         declared = _read_declared_specials(os.path.join(os.path.dirname(file), "tokenizer_config.json"))
         self.bos_id = self._special_id(declared.get("bos_token"), _BOS_NAMES)
         eos = self._special_id(declared.get("eos_token"), _EOS_NAMES)
         if eos is None:
-            raise ValueError(f"tokenizer {file} has no eos token (looked for {list(_EOS_NAMES)} and "
-                             "tokenizer_config.json eos_token); packing needs one to separate documents")
+            raise TokenizerError(f"data.tokenizer: tokenizer {file} has no eos token (looked for "
+                                 f"{list(_EOS_NAMES)} and tokenizer_config.json eos_token); packing needs one to "
+                                 "separate documents")
         self.eos_id: int = eos
         self.pad_id = self._special_id(declared.get("pad_token"), _PAD_NAMES)
 
@@ -97,7 +99,7 @@ def _read_declared_specials(path: str) -> dict[str, str]:
         with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from e
+        raise TokenizerError(f"data.tokenizer: cannot read {path}: {e}") from e
     out = {}
     for key in ("bos_token", "eos_token", "pad_token"):
         value = cfg.get(key)
@@ -111,3 +113,12 @@ def _read_declared_specials(path: str) -> dict[str, str]:
 def build_tokenizer(*, cfg: DataConfig) -> ByteTokenizer | HFTokenizer:
     """`data.tokenizer`: "byte" for the built-in tokenizer, else a tokenizer.json path (or its directory)."""
     return ByteTokenizer() if cfg.tokenizer == "byte" else HFTokenizer(cfg.tokenizer)
+
+
+def check_vocab_fits(tokenizer: ByteTokenizer | HFTokenizer, *, vocab_size: int, model: str) -> None:
+    """TokenizerError unless every id the tokenizer can produce fits the model's embedding (checked before the
+    model is built); `model` says where vocab_size came from."""
+    if tokenizer.vocab_size > vocab_size:
+        name = getattr(tokenizer, "path", "byte")
+        raise TokenizerError(f"data.tokenizer {name} has {tokenizer.vocab_size} tokens but the model ({model}) has "
+                             f"vocab_size {vocab_size}: use a tokenizer that fits or a model with a larger vocab_size")

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-__all__ = ["kda", "kda_reference"]
+__all__ = ["kda", "kda_reference", "kda_segment", "kda_transition", "normalize_qk"]
 
 _L2_EPS = 1e-6
 _FLA_CHUNK = 64  # FLA's default KDA chunk; the saved Aqk/Akk residuals have this many columns
@@ -34,10 +34,12 @@ def _l2norm(x: Tensor) -> Tensor:
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + _L2_EPS)
 
 
-def _chunk_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int) -> Tensor:
+def _chunk_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int,
+                initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Chunked (WY) gated delta rule over independent rows; fp32, q/k already normalised and scaled.
 
-    q, k, g [N, T, H, K]; v [N, T, H, V]; beta [N, T, H]. Returns o [N, T, H, V].
+    q, k, g [N, T, H, K]; v [N, T, H, V]; beta [N, T, H]; initial_state [N, H, K, V] (zeros if None).
+    Returns (o [N, T, H, V], final state [N, H, K, V]).
     Only non-positive numbers are exponentiated: pairwise decays exp(G_t - G_s) are masked to -inf
     for s > t before exp, so forward and backward stay finite however negative g gets.
     """
@@ -45,7 +47,7 @@ def _chunk_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_
     dv = v.shape[-1]
     c = chunk_size
     pad = (-t) % c
-    if pad:  # zero padding at the end (k = v = beta = g = 0) cannot affect earlier tokens
+    if pad:  # zero padding at the end (k = v = beta = g = 0) leaves earlier outputs and the final state unchanged
         q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
         beta = torch.nn.functional.pad(beta, (0, 0, 0, pad))
     nc = (t + pad) // c
@@ -71,14 +73,37 @@ def _chunk_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_
     u_v = torch.linalg.solve_triangular(a_kk, beta * v, upper=False, unitriangular=True)
     u_s = torch.linalg.solve_triangular(a_kk, beta * k_dec_in, upper=False, unitriangular=True)
 
-    state = q.new_zeros(n, h, dk, dv)
+    state = q.new_zeros(n, h, dk, dv) if initial_state is None else initial_state
     outs = []
     for i in range(nc):
         u = u_v[:, :, i] - u_s[:, :, i] @ state  # [N, H, C, V] new values of this chunk
         outs.append(q_dec[:, :, i] @ state + a_qk[:, :, i] @ u)
         state = g_tot[:, :, i].exp().transpose(-1, -2) * state + k_dec_out[:, :, i].transpose(-1, -2) @ u
     o = torch.stack(outs, 2)  # [N, H, NC, C, V]
-    return o.permute(0, 2, 3, 1, 4).reshape(n, nc * c, h, dv)[:, :t]
+    return o.permute(0, 2, 3, 1, 4).reshape(n, nc * c, h, dv)[:, :t], state
+
+
+def normalize_qk(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 q, k as the KDA core uses them: L2-normalised, q scaled by K^-1/2."""
+    return _l2norm(q.float()) * q.shape[-1] ** -0.5, _l2norm(k.float())
+
+
+def kda_segment(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None = None,
+                *, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+    """One segment (no document boundary) of the torch reference with an initial state, on normalised fp32 q, k
+    (see normalize_qk): (o [N, T, H, V], final state [N, H, K, V]). Differentiable; context parallelism chains it."""
+    return _chunk_scan(q, k, v.float(), g.float(), beta.float(), chunk_size, initial_state)
+
+
+def kda_transition(k: Tensor, g: Tensor, beta: Tensor, *, chunk_size: int = 64) -> Tensor:
+    """The segment's state transition M [N, H, K, K] (normalised fp32 k): S_end = M S_start + S_end(S_start = 0).
+
+    The state evolves linearly, column by column (S <- (I - beta k k^T) diag(exp g) S + beta k v^T), so the scan
+    with value 0 from the identity yields M (FLA's CP pre-process runs the same affine chain)."""
+    n, t, h, dk = k.shape
+    eye = torch.eye(dk, dtype=torch.float32, device=k.device).expand(n, h, dk, dk)
+    zeros = k.new_zeros(n, t, h, dk, dtype=torch.float32)
+    return _chunk_scan(zeros, k, zeros, g.float(), beta.float(), chunk_size, eye)[1]
 
 
 def _segments(seq_idx_row: Tensor) -> list[tuple[int, int]]:
@@ -96,18 +121,16 @@ def kda_reference(
 
     Numerically safe (forward and backward) for per-token gates down to -5 and beyond.
     """
-    dk = q.shape[-1]
-    qf = _l2norm(q.float()) * dk**-0.5
-    kf = _l2norm(k.float())
+    qf, kf = normalize_qk(q, k)
     vf, gf, bf = v.float(), g.float(), beta.float()
     if seq_idx is None:
-        o = _chunk_scan(qf, kf, vf, gf, bf, chunk_size)
+        o = _chunk_scan(qf, kf, vf, gf, bf, chunk_size)[0]
     else:
         rows = []
         for b in range(q.shape[0]):
             parts = [
                 _chunk_scan(qf[b:b + 1, s:e], kf[b:b + 1, s:e], vf[b:b + 1, s:e], gf[b:b + 1, s:e],
-                            bf[b:b + 1, s:e], chunk_size)
+                            bf[b:b + 1, s:e], chunk_size)[0]
                 for s, e in _segments(seq_idx[b])
             ]
             rows.append(torch.cat(parts, 1))

@@ -1,7 +1,7 @@
-"""Attention under an explicit [B, Tq, Tk] boolean token mask (the DSA selection).
+"""Attention under an explicit [B, Tq, Tk] boolean token mask: the DSA layer's dense warm-up stage only.
 
-Today this is SDPA with a dense boolean mask, which compiles without graph breaks on CPU and CUDA; the sparse
-DSA kernel for long context (later issue) replaces the body behind the same signature.
+SDPA with a dense boolean mask compiles without graph breaks on CPU and CUDA, but its mask is quadratic in T; the
+sparse stage attends gathered token indices instead (ops/sparse_mla.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ _INDEXER_TYPES = {"full", "shared"}
 
 # Glm5ModelArgs fields that are trainer-side choices, never written to or read from config.json.
 TRAINER_FIELDS = ("hc_head", "dsa_attention", "indexer_fp8_emulation", "mhc_fp32_mixing", "kpool_fp32_accumulate",
-                  "indexer_weights_fp32", "indexer_k_norm_fp32", "kpool_ape_trainable")
+                  "indexer_weights_fp32", "indexer_k_norm_fp32", "kpool_ape_trainable", "indexer_tile_elements")
 
 
 class ModelArgsError(ValueError):
@@ -103,6 +103,8 @@ class Glm5ModelArgs:
     indexer_weights_fp32: bool = False  # indexer head-weight projection (weights_proj) computed in FP32
     indexer_k_norm_fp32: bool = False  # indexer key LayerNorm computed in FP32 (FP32 weight and bias)
     kpool_ape_trainable: bool = True  # KPool APE receives gradients (the PR freezes it)
+    # Elements one working tensor of the DSA indexer's tiled top-k and KL may hold (loss.indexer_tile_elements).
+    indexer_tile_elements: int = 1 << 26
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -191,6 +193,8 @@ class Glm5ModelArgs:
         if self.indexer_fp8_emulation and self.index_head_dim & (self.index_head_dim - 1):
             fail("indexer_fp8_emulation", f"the Hadamard rotation needs a power-of-two index_head_dim, got "
                  f"{self.index_head_dim}")
+        if self.indexer_tile_elements < 1:
+            fail("indexer_tile_elements", f"must be >= 1, got {self.indexer_tile_elements}")
         if self.hc_head not in ("mean", "learned"):
             fail("hc_head", f"must be 'mean' or 'learned', got {self.hc_head!r}")
         if self.dsa_attention not in ("sparse", "dense"):

@@ -14,7 +14,7 @@ from .moe import MoE, MoEStats
 
 
 class DecoderLayer(nn.Module):
-    """streams [B, T, n, D] -> streams; returns the DSA token mask (for a following 'shared' layer) and stats."""
+    """streams [B, T, n, D] -> streams; returns the DSA token indices (for a following 'shared' layer) and stats."""
 
     def __init__(self, args: Glm5ModelArgs, layer_idx: int) -> None:
         super().__init__()
@@ -42,15 +42,15 @@ class DecoderLayer(nn.Module):
         streams: torch.Tensor,
         doc: DocLayout,
         doc_ids: torch.Tensor | None = None,
-        shared_mask: torch.Tensor | None = None,
-        collect_stats: bool = False,
+        shared_indices: torch.Tensor | None = None,
+        indexer_kl: str | None = None,
         seq_aux: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, IndexerStats | None, MoEStats | None]:
         post, comb, h = self.attn_hc(streams)
         h = self.input_layernorm(h)
-        mask, stats = None, None
+        indices, stats = None, None
         if self.is_dsa:
-            h, mask, stats = self.self_attn(h, doc=doc, shared_mask=shared_mask, collect_stats=collect_stats)
+            h, indices, stats = self.self_attn(h, doc=doc, shared_indices=shared_indices, indexer_kl=indexer_kl)
         else:
             h = self.self_attn(h, doc_ids=doc_ids, pos_in_doc=None if doc_ids is None else doc.pos)
         streams = self.attn_hc.merge(streams, h, post, comb)
@@ -63,7 +63,7 @@ class DecoderLayer(nn.Module):
         else:
             h = self.mlp(h)
         streams = self.ffn_hc.merge(streams, h, post, comb)
-        return streams, mask, stats, moe_stats
+        return streams, indices, stats, moe_stats
 
     def init_weights(self) -> None:
         self.attn_hc.init_weights()

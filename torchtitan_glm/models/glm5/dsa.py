@@ -2,7 +2,13 @@
 
 The indexer scores pooled keys (kpool consecutive tokens of one document, softmax-weighted per dimension), keeps
 the top index_topk // kpool pools visible to each query, expands them to tokens and always adds the query's
-incomplete causal tail. Its inputs are detached: it learns only from the indexer KL loss, never from the LM loss.
+incomplete causal tail: a [B, T, K] index tensor (K = index_topk + kpool - 1, -1 = none) that a following 'shared'
+layer reuses. Attention runs in the absorbed MLA form over those indices (ops/sparse_mla.py), the indexer's
+selection and KL loss in query tiles (ops/indexer_topk.py, ops/indexer_kl.py): memory is linear in T. The indexer's
+inputs are detached: it learns only from its KL loss, computed inside the layer, never from the LM loss.
+
+The dense warm-up (dsa_attention="dense") keeps expanded SDPA under the dense [B, T, T] causal-document mask
+(ops/masked_attention.py): quadratic in T, for a short stage; its KL target is computed in query tiles.
 """
 
 from __future__ import annotations
@@ -13,11 +19,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan_glm.distributed.collectives import all_gather_autograd, sum_grad_over
+from torchtitan_glm.ops.indexer_kl import indexer_kl_dense, indexer_kl_sparse
+from torchtitan_glm.ops.indexer_topk import kpool_topk, tile_rows
 from torchtitan_glm.ops.masked_attention import masked_attention
+from torchtitan_glm.ops.sparse_mla import sparse_mla
 
 from .args import Glm5ModelArgs
 from .indexer_fp8 import fp8_serving_input
-from .layers import RMSNorm, init_linear
+from .layers import RMSNorm, init_linear, local_param
 
 
 class DocLayout(NamedTuple):
@@ -38,12 +48,18 @@ class PoolLayout(NamedTuple):
 
 
 class IndexerStats(NamedTuple):
-    """What the indexer KL loss needs, per DSA layer; all [B, T, P]."""
+    """One DSA layer's indexer KL, computed in the layer; gradient reaches the indexer parameters only."""
 
-    logits: torch.Tensor  # indexer scores (FP32; gradient reaches the indexer parameters only)
-    target: torch.Tensor  # main attention's head-summed probability per pool, L1-normalised over `valid`
-    valid: torch.Tensor  # pools visible to the query (same document, last token <= query)
-    selected: torch.Tensor  # pools the sparse attention used
+    kl_sum: torch.Tensor  # [] FP32: KL(target || softmax(index scores)) summed over the counted queries
+    rows: torch.Tensor  # [] FP32: queries with at least one candidate pool (no gradient)
+
+
+class IndexerInputs(NamedTuple):
+    """FP32 operands of the index score sum_h w_h relu(q_h . pk_p * d^-1/2) (ops/indexer_topk.py)."""
+
+    q: torch.Tensor  # [B, T, H, D]
+    w: torch.Tensor  # [B, T, H], H^-1/2 included
+    pk: torch.Tensor  # [B, P, D] pooled keys
 
 
 def pool_layout(doc: DocLayout, kpool: int) -> PoolLayout:
@@ -97,7 +113,7 @@ class FP32LayerNorm(nn.LayerNorm):
 
 
 class KPoolIndexer(nn.Module):
-    """Lightning indexer over kpool-pooled keys; returns the per-query token mask of the sparse attention."""
+    """Lightning indexer over kpool-pooled keys; selects the sparse attention's [B, T, K] token indices."""
 
     # Serving runs the indexer in BF16: its projections keep role "indexer" (never FP8).
     linear_roles = {"wq_b": "indexer", "wk": "indexer", "weights_proj": "indexer"}
@@ -144,49 +160,39 @@ class KPoolIndexer(nn.Module):
             w = self.weights_proj(x).float()
         return w * self.n_heads**-0.5
 
-    def scores(self, x: torch.Tensor, qr: torch.Tensor, pools: PoolLayout) -> torch.Tensor:
-        """Index scores [B, T, P]: sum_h w_h * relu(q_h . pooled_k * d^-1/2), FP32. With indexer_fp8_emulation the
-        query and the pooled keys first take serving's FP8 path (rotation after pooling, as serving does)."""
+    def inputs(self, x: torch.Tensor, qr: torch.Tensor, pools: PoolLayout) -> IndexerInputs:
+        """The score's FP32 operands. With indexer_fp8_emulation the query and the pooled keys first take serving's
+        FP8 path (rotation after pooling, as serving does): elementwise per row, so the tiled ops see the result."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         pooled = self.pooled_keys(x, pools)
         if self.fp8_emulation:
             q, pooled = fp8_serving_input(q), fp8_serving_input(pooled)
-        s = torch.matmul(q.float(), pooled.transpose(-1, -2).float().unsqueeze(1))  # [B, T, H, P]
-        s = F.relu(s * self.head_dim**-0.5)
-        return torch.matmul(self.head_weights(x).unsqueeze(-2), s).squeeze(-2)
+        return IndexerInputs(q.float(), self.head_weights(x), pooled.float())
 
-    def visible_pools(self, doc: DocLayout, pools: PoolLayout) -> torch.Tensor:
-        """[B, T, P]: pool is complete, in the query's document and its last token is not in the future."""
-        t = torch.arange(doc.pos.shape[1], device=doc.pos.device)
-        ends = pools.start + self.kpool - 1
-        return pools.used[:, None, :] & (ends[:, None, :] <= t[None, :, None]) & (pools.key[:, None, :] == doc.key[:, :, None])
-
-    def select(self, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """[B, T, P] bool: the top index_topk // kpool visible pools per query."""
-        num_slots = scores.shape[-1]
+    def select(self, inp: IndexerInputs, doc: DocLayout, pools: PoolLayout, *, budget: int) -> torch.Tensor:
+        """[B, T, min(index_topk // kpool, P)] int64: the selected pool slots, best first, -1 padding. Ties go to the
+        earlier pool: ReLU scoring produces exact ties (all-zero pools), and a fixed rule keeps the selection
+        independent of packing, tiling and kernel."""
+        num_slots = inp.pk.shape[1]
         k = min(self.select_pools, num_slots)
-        if k == 0:
-            return torch.zeros_like(valid)
-        masked = scores.masked_fill(~valid, torch.finfo(scores.dtype).min)
-        # Stable descending sort = top-k with ties broken towards the earlier pool. ReLU scoring produces exact
-        # ties (all-zero pools); a fixed rule keeps the selection independent of packing and of the kernel.
-        top = masked.sort(dim=-1, descending=True, stable=True).indices[..., :k]
-        return torch.zeros_like(valid).scatter(-1, top, True) & valid
+        tile = tile_rows(self.n_heads * num_slots, budget)
+        return kpool_topk(inp.q.detach(), inp.w.detach(), inp.pk.detach(), pool_last(pools, self.kpool, doc),
+                          pools.key, doc.key, k, self.kpool, tile)
 
-    def token_mask(self, selected: torch.Tensor, doc: DocLayout, pools: PoolLayout) -> torch.Tensor:
-        """Expand selected pools to tokens and add the query's incomplete tail: [B, T, T] bool."""
-        bsz, seqlen, _ = selected.shape
-        slot = pools.token_slot.clamp(min=0)[:, None, :].expand(bsz, seqlen, seqlen)
-        if selected.shape[-1] == 0:
-            mask = torch.zeros(bsz, seqlen, seqlen, dtype=torch.bool, device=selected.device)
-        else:
-            mask = selected.gather(-1, slot) & (pools.token_slot >= 0)[:, None, :]
+    def token_indices(self, pool_ids: torch.Tensor, doc: DocLayout, pools: PoolLayout) -> torch.Tensor:
+        """[B, T, K] int32 tokens: the selected pools' kpool tokens in pool_ids order, then the query's incomplete
+        tail (its last (pos + 1) % kpool tokens, the query included) when always_select_tail; -1 = none."""
+        bsz, seqlen, k = pool_ids.shape
+        device = pool_ids.device
+        start = pools.start.gather(1, pool_ids.clamp(min=0).flatten(1)).view(bsz, seqlen, k, 1)
+        tokens = torch.where(pool_ids.unsqueeze(-1) >= 0, start + torch.arange(self.kpool, device=device), -1)
+        parts = [tokens.flatten(2)]
         if self.always_select_tail:
-            t = torch.arange(seqlen, device=selected.device)
-            tail = (doc.pos + 1) % self.kpool
-            offset = t[None, :, None] - t[None, None, :]  # query - key
-            mask = mask | ((offset >= 0) & (offset < tail[:, :, None]))
-        return mask
+            back = torch.arange(self.kpool - 1, device=device)
+            t = torch.arange(seqlen, device=device).view(1, seqlen, 1)
+            tail_len = ((doc.pos + 1) % self.kpool).unsqueeze(-1)
+            parts.append(torch.where(back < tail_len, t - back, -1).expand(bsz, seqlen, -1))
+        return torch.cat(parts, dim=-1).to(torch.int32)
 
     def init_weights(self) -> None:
         for lin in (self.wq_b, self.wk, self.weights_proj):
@@ -196,11 +202,19 @@ class KPoolIndexer(nn.Module):
         self.kpool_ape.init_weights()
 
 
+def pool_last(pools: PoolLayout, kpool: int, doc: DocLayout) -> torch.Tensor:
+    """[B, P] last token of each pool slot; T (never visible) for unused slots."""
+    return torch.where(pools.used, pools.start + kpool - 1, doc.pos.shape[1])
+
+
 class SparseMLA(nn.Module):
     """NoPE MLA (q/kv low-rank with RMSNorm latents, scale qk_head_dim^-1/2) over the indexer's token selection."""
 
     # Serving runs the MLA attention GEMMs in BF16.
     linear_roles = {name: "mla" for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")}
+    # The absorbed form reads kv_b_proj through its weight (W_UK, W_UV), never calls it on the sparse path: a
+    # float8 conversion would not reach it.
+    weight_only_linears = {"kv_b_proj"}
 
     def __init__(self, args: Glm5ModelArgs, *, shared_indexer: bool = False) -> None:
         super().__init__()
@@ -219,41 +233,80 @@ class SparseMLA(nn.Module):
         self.kv_b_proj = nn.Linear(args.kv_lora_rank, h * (args.qk_nope_head_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=bias)
         self.kpool = args.index_kpool
+        self.tile_elements = args.indexer_tile_elements  # working-set bound of the tiled indexer ops
         self.indexer = None if shared_indexer else KPoolIndexer(args)
+        # The tensor-parallel group this block's heads are split over (set by parallelize.py, None otherwise).
+        self.heads_group = None
 
     def forward(
         self,
         x: torch.Tensor,
         *,
         doc: DocLayout,
-        shared_mask: torch.Tensor | None = None,
-        collect_stats: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, IndexerStats | None]:
-        """Returns (output [B, T, D], token mask [B, T, T] used, indexer stats or None)."""
-        bsz, seqlen, _ = x.shape
-        qr = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(qr).unflatten(-1, (self.num_heads, self.qk_dim)).transpose(1, 2)
-        kv = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)[..., : self.kv_lora_rank])
-        kv = self.kv_b_proj(kv).unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
-        k, v = kv.split([self.qk_dim, self.v_dim], dim=-1)
+        shared_indices: torch.Tensor | None = None,
+        indexer_kl: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, IndexerStats | None]:
+        """Returns (output [B, T, D], token indices [B, T, K] used (None in the dense stage), indexer KL or None).
 
-        stats = None
+        indexer_kl: None, "sparse" (over the selected pools, target = this sparse attention) or "dense" (over every
+        candidate pool, target = dense causal attention)."""
+        if indexer_kl not in (None, "sparse", "dense"):
+            raise ValueError(f"indexer_kl must be None, 'sparse' or 'dense', got {indexer_kl!r}")
+        if indexer_kl == "sparse" and self.dense:
+            raise ValueError("the sparse indexer KL needs sparse attention (dsa_attention='sparse')")
+        qr = self.q_a_layernorm(self.q_a_proj(x))
+        # heads: all of them, or this rank's under tensor parallelism (q_b / kv_b column-parallel)
+        q = self.q_b_proj(qr).unflatten(-1, (-1, self.qk_dim))  # [B, T, H, qk]
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)[..., : self.kv_lora_rank])  # [B, T, R]
+        w_kv = local_param(self.kv_b_proj.weight).unflatten(0, (-1, self.qk_dim + self.v_dim))
+        w_uk, w_uv = w_kv.split([self.qk_dim, self.v_dim], 1)
+        q_lat = torch.einsum("bthd,hdr->bthr", q, w_uk) if not self.dense or indexer_kl else None  # absorbed query
+
+        indices, stats = shared_indices, None
         if self.indexer is None:
-            if shared_mask is None:
+            if shared_indices is None and not self.dense:
                 raise ValueError("a 'shared' DSA layer needs the previous layer's selection")
-            mask = shared_mask
-        else:
+        elif not self.dense or indexer_kl is not None:
             pools = pool_layout(doc, self.kpool)
-            valid = self.indexer.visible_pools(doc, pools)
-            with torch.set_grad_enabled(collect_stats and torch.is_grad_enabled()):
-                scores = self.indexer.scores(x.detach(), qr.detach(), pools)
-            selected = self.indexer.select(scores.detach(), valid)
-            mask = causal_doc_mask(doc) if self.dense else self.indexer.token_mask(selected, doc, pools)
-            if collect_stats:
-                target = pooled_attention_target(q.detach(), k.detach(), doc, pools, valid, scale=self.scale)
-                stats = IndexerStats(scores.clone(), target, valid, selected)  # clone: FSDP2 warns on view outputs
-        out = masked_attention(q, k, v, mask, scale=self.scale)
-        return self.o_proj(out.transpose(1, 2).flatten(-2)), mask, stats
+            with torch.set_grad_enabled(indexer_kl is not None and torch.is_grad_enabled()):
+                inp = self.indexer.inputs(x.detach(), qr.detach(), pools)
+            if not self.dense:
+                pool_ids = self.indexer.select(inp, doc, pools, budget=self.tile_elements)
+                indices = self.indexer.token_indices(pool_ids, doc, pools)
+            if indexer_kl is not None:
+                attn_q = q_lat.detach()
+                if self.heads_group is not None:  # the target sums over all heads: gather the other TP ranks'
+                    attn_q = all_gather_autograd(attn_q, dim=2, group=self.heads_group)
+                stats = self._indexer_kl(indexer_kl, inp, doc, pools, attn_q, latent.detach(),
+                                         pool_ids if indexer_kl == "sparse" else None, indices)
+
+        if self.dense:
+            kv = self.kv_b_proj(latent).unflatten(-1, (-1, self.qk_dim + self.v_dim)).transpose(1, 2)
+            k, v = kv.split([self.qk_dim, self.v_dim], dim=-1)
+            out = masked_attention(q.transpose(1, 2), k, v, causal_doc_mask(doc), scale=self.scale).transpose(1, 2)
+            indices = None
+        else:
+            if self.heads_group is not None:  # the latent is replicated; each TP rank's heads add to its gradient
+                latent = sum_grad_over(latent, group=self.heads_group)
+            out = torch.einsum("bthr,hvr->bthv", sparse_mla(q_lat, latent, indices, scale=self.scale), w_uv)
+        return self.o_proj(out.flatten(-2)), indices, stats
+
+    def _indexer_kl(
+        self, mode: str, inp: IndexerInputs, doc: DocLayout, pools: PoolLayout, attn_q: torch.Tensor,
+        attn_kv: torch.Tensor, pool_ids: torch.Tensor | None, indices: torch.Tensor | None,
+    ) -> IndexerStats:
+        need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inp)
+        heads_i, num_slots = inp.q.shape[2], inp.pk.shape[1]
+        if mode == "sparse":
+            width = indices.shape[-1] * (attn_kv.shape[-1] + attn_q.shape[2]) + pool_ids.shape[-1] * heads_i
+            kl, rows, *_ = indexer_kl_sparse(*inp, pool_ids, attn_q, attn_kv, indices, self.scale, self.kpool,
+                                             tile_rows(width, self.tile_elements), need_grad)
+        else:
+            width = max(heads_i * num_slots, attn_q.shape[2] * doc.pos.shape[1])
+            kl, rows, *_ = indexer_kl_dense(*inp, pools.start, pool_last(pools, self.kpool, doc), pools.key, doc.key,
+                                            attn_q, attn_kv, self.scale, self.kpool,
+                                            tile_rows(width, self.tile_elements), need_grad)
+        return IndexerStats(kl, rows)
 
     def init_weights(self) -> None:
         for name in self.linear_roles:
@@ -262,30 +315,3 @@ class SparseMLA(nn.Module):
         self.kv_a_layernorm.init_weights()
         if self.indexer is not None:
             self.indexer.init_weights()
-
-
-@torch.no_grad()
-def pooled_attention_target(
-    q: torch.Tensor, k: torch.Tensor, doc: DocLayout, pools: PoolLayout, valid: torch.Tensor, *, scale: float,
-    query_chunk: int | None = None,
-) -> torch.Tensor:
-    """KL target: dense causal attention probabilities summed over heads and over each pool's tokens, L1-normalised
-    over the visible pools. Computed in FP32 query chunks so [B, H, T, T] never exists at once; by default a chunk
-    holds about 2^28 probabilities (1 GiB), e.g. 1024 queries at 64 heads x 4096 keys."""
-    bsz, heads, seqlen, _ = q.shape
-    if query_chunk is None:
-        query_chunk = max(1, 2**28 // (bsz * heads * seqlen))
-    num_slots = pools.start.shape[1]
-    causal = causal_doc_mask(doc)
-    dump = pools.token_slot.masked_fill(pools.token_slot < 0, num_slots)  # tokens outside complete pools
-    out = []
-    for s in range(0, seqlen, query_chunk):
-        e = min(s + query_chunk, seqlen)
-        logits = torch.matmul(q[:, :, s:e].float(), k.float().transpose(-1, -2)) * scale
-        logits = logits.masked_fill(~causal[:, None, s:e], float("-inf"))
-        probs = logits.softmax(dim=-1).sum(dim=1)  # [B, t, T]
-        per_pool = torch.zeros(bsz, e - s, num_slots + 1, device=q.device).scatter_add(
-            -1, dump[:, None, :].expand(bsz, e - s, seqlen), probs)
-        out.append(per_pool[..., :num_slots])
-    target = torch.cat(out, dim=1) * valid
-    return target / target.sum(-1, keepdim=True).clamp_min(1e-20)

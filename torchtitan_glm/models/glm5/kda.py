@@ -11,7 +11,7 @@ from torch import nn
 from torchtitan_glm.ops.kda import kda as kda_op
 
 from .args import Glm5ModelArgs
-from .layers import init_linear
+from .layers import init_linear, local_param
 
 
 class ShortConv(nn.Module):
@@ -28,12 +28,23 @@ class ShortConv(nn.Module):
         self.kernel_size = kernel_size
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor, pos_in_doc: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos_in_doc: torch.Tensor | None,
+                halo: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, C]; pos_in_doc [B, T] (None: one document per row). Under context parallelism the local T
+        holds P slots of the row that are not adjacent, and halo [B, P, W-1, C] (ops.kda_cp.conv_halo) holds the
+        W-1 tokens before each slot; pos_in_doc is then the position in the (global) document."""
         xf = x.float()
-        w = self.weight.float().squeeze(1)  # [C, W]; tap W-1 multiplies x_t, tap W-1-j multiplies x_{t-j}
+        w = local_param(self.weight).float().squeeze(1)  # [C, W]; tap W-1 multiplies x_t, W-1-j x_{t-j}
+        if halo is not None:
+            bsz, seqlen, ch = xf.shape
+            slots = halo.shape[1]
+            padded = torch.cat([halo.float(), xf.view(bsz, slots, seqlen // slots, ch)], dim=2)
         out = xf * w[:, -1]
         for j in range(1, self.kernel_size):
-            shifted = F.pad(xf[:, :-j], (0, 0, j, 0)) if j < xf.shape[1] else torch.zeros_like(xf)
+            if halo is not None:
+                shifted = padded[:, :, self.kernel_size - 1 - j:padded.shape[2] - j].reshape(xf.shape)
+            else:
+                shifted = F.pad(xf[:, :-j], (0, 0, j, 0)) if j < xf.shape[1] else torch.zeros_like(xf)
             if pos_in_doc is not None:
                 shifted = shifted * (pos_in_doc >= j).unsqueeze(-1).to(shifted.dtype)
             out = out + shifted * w[:, -1 - j]
@@ -59,8 +70,8 @@ class KDADecay(nn.Module):
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         """Per-channel log decay [B, T, H, K] in FP32 from the low-rank gate output f [B, T, H*K]."""
-        g = (f.float() + self.dt_bias.float()).unflatten(-1, (self.num_heads, self.head_dim))
-        rate = torch.exp(self.A_log.float()).view(self.num_heads, 1)
+        g = (f.float() + local_param(self.dt_bias).float()).unflatten(-1, (-1, self.head_dim))
+        rate = torch.exp(local_param(self.A_log).float()).view(-1, 1)  # heads: this rank's under TP
         if self.lower_bound is not None:
             return self.lower_bound * torch.sigmoid(rate * g)
         return -rate * F.softplus(g)
@@ -88,7 +99,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * local_param(self.weight).float()
         return (y * torch.sigmoid(gate.float())).to(x.dtype)
 
     def init_weights(self) -> None:
@@ -128,7 +139,7 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
                 pos_in_doc: torch.Tensor | None = None) -> torch.Tensor:
-        heads = (self.num_heads, self.head_dim)
+        heads = (-1, self.head_dim)  # all heads, or this rank's under tensor parallelism
         q = self.q_conv1d(self.q_proj(x), pos_in_doc).unflatten(-1, heads)
         k = self.k_conv1d(self.k_proj(x), pos_in_doc).unflatten(-1, heads)
         v = self.v_conv1d(self.v_proj(x), pos_in_doc).unflatten(-1, heads)

@@ -51,6 +51,17 @@ class DenseMLP(nn.Module):
             nn.init.normal_(lin.weight, mean=0.0, std=std)
 
 
+def local_param(p: torch.Tensor) -> torch.Tensor:
+    """The rank's piece of a parameter that a tensor-parallel plan made a DTensor (plain tensors pass through), for
+    modules that compute on their rank's heads only: a sharded parameter gives its shard; a replicated one its full
+    value, whose gradient is then a partial sum over the tensor-parallel ranks (DTensor reduces it)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    if isinstance(p, DTensor):
+        return p.to_local(grad_placements=[Partial() if pl.is_replicate() else pl for pl in p.placements])
+    return p
+
+
 def init_linear(linear: nn.Linear, *, std: float) -> None:
     """Reference init of every Linear: N(0, initializer_range), zero bias."""
     nn.init.normal_(linear.weight, mean=0.0, std=std)

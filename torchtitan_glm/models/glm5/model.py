@@ -23,7 +23,7 @@ class Glm5Output(NamedTuple):
     hidden: torch.Tensor  # [B, T, D] after the final norm
     mtp_hidden: torch.Tensor | None  # [B, T, D] MTP states (predict token t+2) after shared_head.norm
     moe_stats: list[MoEStats]  # one per MoE layer, trunk layers first, then MTP
-    indexer_stats: list[IndexerStats]  # one per full-indexer DSA layer when requested, trunk first, then MTP
+    indexer_stats: list[IndexerStats]  # KL of each full-indexer DSA layer when requested, trunk first, then MTP
 
 
 class Glm5LossOutput(NamedTuple):
@@ -70,6 +70,7 @@ class Glm5Model(nn.Module):
         token_scale: float | torch.Tensor = 1.0,
         mtp_scale: float | torch.Tensor = 0.0,
         collect_indexer_stats: bool = False,
+        indexer_sparse_loss: bool = False,
         seq_aux: bool = False,
         ce_chunk_size: int = 4096,
     ) -> torch.Tensor | Glm5LossOutput:
@@ -78,10 +79,13 @@ class Glm5Model(nn.Module):
 
         The MTP at position t predicts labels[t + 1] (token t + 2) and is ignored where labels[t] or
         labels[t + 1] is (document ends, the row's last position). mtp_scale == 0 skips the MTP layer.
+        collect_indexer_stats: each DSA layer with an indexer computes its KL (loss.indexer_kl_loss sums them), over
+        the selected pools with indexer_sparse_loss, else over every candidate pool.
         """
         with_mtp = labels is not None and self.mtp is not None and bool(mtp_scale != 0)
         out = self.hidden_states(tokens, cu_seqlens, doc_ids=doc_ids, with_mtp=with_mtp,
-                                 collect_indexer_stats=collect_indexer_stats, seq_aux=seq_aux)
+                                 collect_indexer_stats=collect_indexer_stats, indexer_sparse_loss=indexer_sparse_loss,
+                                 seq_aux=seq_aux)
         if labels is None:
             return self.lm_head(out.hidden)
         hidden, targets = out.hidden.flatten(0, 1), labels.flatten()
@@ -105,6 +109,7 @@ class Glm5Model(nn.Module):
         doc_ids: torch.Tensor | None = None,
         with_mtp: bool = True,
         collect_indexer_stats: bool = False,
+        indexer_sparse_loss: bool = False,
         seq_aux: bool = False,
     ) -> Glm5Output:
         """Run the trunk (and MTP). Packed documents come as cu_seqlens for a [1, total] batch, or as per-token
@@ -121,10 +126,11 @@ class Glm5Model(nn.Module):
         streams = embeds.unsqueeze(-2).expand(bsz, seqlen, self.args.hc_mult, -1).contiguous()
         moe_stats: list[MoEStats] = []
         indexer_stats: list[IndexerStats] = []
-        prev_mask = None
+        kl = ("sparse" if indexer_sparse_loss else "dense") if collect_indexer_stats else None
+        prev_indices = None
         for layer in self.layers.values():
-            streams, mask, stats, mstats = layer(streams, doc, doc_ids, prev_mask, collect_indexer_stats, seq_aux)
-            prev_mask = mask if mask is not None else prev_mask
+            streams, indices, stats, mstats = layer(streams, doc, doc_ids, prev_indices, kl, seq_aux)
+            prev_indices = indices if indices is not None else prev_indices
             if stats is not None:
                 indexer_stats.append(stats)
             if mstats is not None:
@@ -134,7 +140,7 @@ class Glm5Model(nn.Module):
         mtp_hidden = None
         if with_mtp and self.mtp is not None:
             next_embeds = self.embed_tokens(torch.roll(tokens, shifts=-1, dims=1))
-            mtp_hidden, stats, mstats = self.mtp(hidden, next_embeds, doc, collect_indexer_stats, seq_aux)
+            mtp_hidden, stats, mstats = self.mtp(hidden, next_embeds, doc, kl, seq_aux)
             moe_stats.append(mstats)
             if stats is not None:
                 indexer_stats.append(stats)

@@ -11,7 +11,7 @@ from torch import nn
 from torchtitan_glm.ops.grouped_mm import FP8_GROUP_ALIGN, grouped_mm, pad_groups
 
 from .args import Glm5ModelArgs
-from .layers import DenseMLP, swiglu
+from .layers import DenseMLP, local_param, swiglu
 
 
 class MoEStats(NamedTuple):
@@ -57,11 +57,27 @@ class Router(nn.Module):
         nn.init.zeros_(self.e_score_correction_bias)
 
 
+def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor,
+                   down_proj: torch.Tensor, *, swiglu_limit: float, fp8: bool) -> torch.Tensor:
+    """The experts' math: rows of x_sorted grouped by expert (counts [G]) through G stacked SwiGLU experts
+    ([G, out, in] weights). With fp8 every group is padded to FP8_GROUP_ALIGN rows for the FP8 grouped GEMM."""
+    if fp8:
+        x_sorted, offs, index = pad_groups(x_sorted, counts, align=FP8_GROUP_ALIGN)
+    else:
+        offs = counts.cumsum(0).to(torch.int32)
+    gate = grouped_mm(x_sorted, gate_proj.transpose(-2, -1), offs, fp8=fp8)
+    up = grouped_mm(x_sorted, up_proj.transpose(-2, -1), offs, fp8=fp8)
+    out = grouped_mm(swiglu(gate, up, swiglu_limit), down_proj.transpose(-2, -1), offs, fp8=fp8)
+    return out[index] if fp8 else out
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts stored as stacked [E, out, in] weights (HF splits them per expert on export).
 
     `fp8` (set by float8.py's conversion, never by hand) runs the three grouped GEMMs in FP8 rowwise, with every
-    expert's token group padded to a multiple of 16 rows as the FP8 grouped GEMM requires."""
+    expert's token group padded to a multiple of 16 rows as the FP8 grouped GEMM requires. `ep_group` (set by
+    parallelize.py's expert parallelism) holds this rank's E/ep experts and exchanges the tokens with the other ranks
+    of that group (ops/expert_parallel.py)."""
 
     linear_roles = {"gate_proj": "experts", "up_proj": "experts", "down_proj": "experts"}
 
@@ -71,21 +87,20 @@ class GroupedExperts(nn.Module):
         self.swiglu_limit = args.swiglu_limit
         self.init_std = args.initializer_range
         self.fp8 = False
+        self.ep_group = None
         self.gate_proj = nn.Parameter(torch.empty(e, i, d))
         self.up_proj = nn.Parameter(torch.empty(e, i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
 
     def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows of x_sorted grouped by expert (counts [E] rows per expert) -> expert outputs, same order."""
-        if not self.fp8:
-            return self._swiglu(x_sorted, counts.cumsum(0).to(torch.int32))
-        padded, offs, index = pad_groups(x_sorted, counts, align=FP8_GROUP_ALIGN)
-        return self._swiglu(padded, offs)[index]
+        weights = [local_param(w) for w in (self.gate_proj, self.up_proj, self.down_proj)]
+        if self.ep_group is not None:
+            from torchtitan_glm.ops.expert_parallel import expert_parallel_swiglu
 
-    def _swiglu(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        gate = grouped_mm(x, self.gate_proj.transpose(-2, -1), offs, fp8=self.fp8)
-        up = grouped_mm(x, self.up_proj.transpose(-2, -1), offs, fp8=self.fp8)
-        return grouped_mm(swiglu(gate, up, self.swiglu_limit), self.down_proj.transpose(-2, -1), offs, fp8=self.fp8)
+            return expert_parallel_swiglu(x_sorted, counts, *weights, group=self.ep_group,
+                                          swiglu_limit=self.swiglu_limit, fp8=self.fp8)
+        return grouped_swiglu(x_sorted, counts, *weights, swiglu_limit=self.swiglu_limit, fp8=self.fp8)
 
     def init_weights(self) -> None:
         for w in (self.gate_proj, self.up_proj, self.down_proj):

@@ -42,10 +42,10 @@ class MTPLayer(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, next_embeds: torch.Tensor, doc: DocLayout,
-        collect_stats: bool = False, seq_aux: bool = False,
+        indexer_kl: str | None = None, seq_aux: bool = False,
     ) -> tuple[torch.Tensor, IndexerStats | None, MoEStats]:
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
-        a, _, stats = self.self_attn(self.input_layernorm(x), doc=doc, collect_stats=collect_stats)
+        a, _, stats = self.self_attn(self.input_layernorm(x), doc=doc, indexer_kl=indexer_kl)
         x = x + a
         m, moe_stats = self.mlp(self.post_attention_layernorm(x), seq_aux=seq_aux)
         x = x + m

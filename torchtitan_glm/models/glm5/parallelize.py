@@ -1,23 +1,48 @@
-"""The GLM-5 parallelisation recipe: activation checkpointing -> per-block compile -> FSDP2.
+"""The GLM-5 parallelisation recipe, in TorchTitan's order: tensor parallel -> expert parallel -> activation
+checkpointing -> per-block compile -> FSDP2.
 
-Parameters the blocks declare FP32-kept (`keep_fp32`: mHC maps, KDA A_log/dt_bias and short convs, router,
-KPool APE) stay out of the BF16 FSDP groups: they are replicated in FP32 (a few hundred MB for the full model)
-and their gradients are averaged by `allreduce_replicated_grads`. Nested FSDP groups would be the alternative,
-but their hooks would run inside the compiled blocks and break fullgraph.
+Tensor parallel (DTensor `parallelize_module`, heads and MLP columns split over the tp mesh, no sequence parallel):
+  KDA   q/k/v, f_b, g_b, b column-wise; their short convs and A_log/dt_bias sharded per channel/head; f_a, g_a
+        replicated; o_proj row-wise; the per-head output norm's weight replicated (a partial-sum gradient).
+  MLA   q_b, kv_b column-wise; q_a, kv_a and their norms replicated; o_proj row-wise. The indexer stays replicated:
+        it is small (index_n_heads x 128 for queries, one 128-wide key) and its top-k needs the head-weighted sum of
+        every head's score, so splitting it would add an all-reduce of a [B, T, T/kpool] tensor per layer for a few
+        percent of the layer's FLOPs; the KL target gathers the other ranks' MLA heads (SparseMLA.heads_group).
+  MLP   dense and shared-expert gate/up column-wise, down row-wise.
+  torchao Float8Linear modules take torchao's Float8ColwiseParallel / Float8RowwiseParallel (FP8 all-gathers, which
+  assume tensorwise scaling); with a rowwise recipe they take the plain styles.
+  Everything else (mHC, norms, router, embeddings, LM head, routed experts) is replicated over tp and computed
+  redundantly. Sequence parallelism (norms and mHC on T/tp tokens) is not applied: the layers receive per-token
+  document layouts for the whole row (DocLayout, doc_ids), so splitting T inside a layer needs those sliced too --
+  that belongs with the batch-layout object (issue 10, item 8); it would cut the mHC streams' activation memory.
+Expert parallel: each MoE's routed experts are sharded Shard(0) over the ep mesh (E/ep per rank) and exchange tokens
+  with all-to-alls inside one custom op (ops/expert_parallel.py). They are kept out of FSDP2 (a nested FSDP group
+  would put hooks inside the compiled block, and the block's own group cannot hold parameters sharded over an
+  overlapping mesh): ranks that hold the same experts average their gradients like the FP32-kept parameters.
+FP32-kept parameters (`keep_fp32`: mHC maps, A_log/dt_bias, short convs, router, KPool APE, FP32 norms) stay out of
+the BF16 FSDP groups (nested FP32 groups break fullgraph): replicated over the data/context ranks (and sharded
+over tp where the plan says so), their gradients averaged by `Replicated.allreduce_grads`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from torchtitan_glm.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_glm.compile import apply_compile
 
-from .layers import fp32_kept_modules
+from .dsa import SparseMLA
+from .kda import KimiDeltaAttention
+from .layers import DenseMLP, fp32_kept_modules
+from .moe import GroupedExperts, MoE
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,43 +51,150 @@ def fp32_kept_params(module: nn.Module) -> list[nn.Parameter]:
     return [p for m in fp32_kept_modules(module) for p in m.parameters(recurse=False)]
 
 
-def parallelize_glm5(
-    model: nn.Module,
-    *,
-    mesh: DeviceMesh,
-    param_dtype: str,
-    reduce_dtype: str,
-    ac_mode: str,
-    compile_enable: bool,
-    compile_backend: str = "inductor",
-    compile_mode: str = "default",
-    compile_components: list[str] | None = None,
-) -> list[nn.Parameter]:
-    """Apply AC, compile and FSDP2 in place; returns the replicated FP32-kept parameters."""
-    apply_activation_checkpointing(model, mode=ac_mode)
-    if compile_enable:
-        apply_compile(model, backend=compile_backend, mode=compile_mode, components=compile_components or ["model"])
-    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
-    replicated = fp32_kept_params(model)
-    blocks = list(model.layers.values()) + ([model.mtp] if getattr(model, "mtp", None) is not None else [])
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=True,
-                    ignored_params=set(fp32_kept_params(block)))
-    fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
-    # The head is called once per step after the trunk; keep it gathered from the final norm to the loss.
-    fully_shard([model.norm, model.lm_head], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=set(replicated))
-    return replicated
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    return list(model.layers.values()) + ([model.mtp] if getattr(model, "mtp", None) is not None else [])
 
 
-def allreduce_replicated_grads(params: list[nn.Parameter], *, group: dist.ProcessGroup | None = None) -> None:
-    """Average the gradients of replicated parameters over the data-parallel group in one flat all-reduce."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads or not dist.is_initialized() or dist.get_world_size(group) == 1:
+# ------------------------------------------------------------------------------------------ tensor parallel
+class HeadLocalParams(ParallelStyle):
+    """The parameters of a module that computes on its rank's heads become DTensors on the tp mesh, all with one
+    placement: Shard(0) for per-channel / per-head values, Replicate for values shared by all heads. The module reads
+    them through layers.local_param. Parameter dtypes are kept (FP32 stays FP32)."""
+
+    def __init__(self, placement) -> None:
+        super().__init__()
+        self.placement = placement
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            if mod is not module:
+                return
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                dt = distribute_tensor(p.data, mesh, [self.placement])
+                mod.register_parameter(pname, nn.Parameter(dt, requires_grad=p.requires_grad))
+
+        return distribute_module(module, device_mesh, partition)
+
+
+def _linear_styles(module: nn.Module) -> tuple[type, type]:
+    """(column-wise, row-wise) styles for a Linear: torchao's FP8 ones for a tensorwise Float8Linear."""
+    try:
+        from torchao.float8.config import ScalingGranularity
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError:
+        return ColwiseParallel, RowwiseParallel
+    if isinstance(module, Float8Linear) and \
+            module.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE:
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+        return Float8ColwiseParallel, Float8RowwiseParallel
+    return ColwiseParallel, RowwiseParallel
+
+
+def _colwise(module: nn.Module, name: str) -> ParallelStyle:
+    return _linear_styles(getattr(module, name))[0]()
+
+
+def _rowwise(module: nn.Module, name: str) -> ParallelStyle:
+    return _linear_styles(getattr(module, name))[1]()
+
+
+def tp_plan_kda(attn: KimiDeltaAttention) -> dict[str, ParallelStyle]:
+    plan = {n: _colwise(attn, n) for n in ("q_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj", "b_proj")}
+    plan.update({n: HeadLocalParams(Shard(0)) for n in ("q_conv1d", "k_conv1d", "v_conv1d", "decay")})
+    plan["o_norm"] = HeadLocalParams(Replicate())
+    plan["o_proj"] = _rowwise(attn, "o_proj")
+    return plan
+
+
+def tp_plan_mla(attn: SparseMLA) -> dict[str, ParallelStyle]:
+    return {"q_b_proj": _colwise(attn, "q_b_proj"), "kv_b_proj": _colwise(attn, "kv_b_proj"),
+            "o_proj": _rowwise(attn, "o_proj")}
+
+
+def tp_plan_mlp(mlp: DenseMLP) -> dict[str, ParallelStyle]:
+    return {"gate_proj": _colwise(mlp, "gate_proj"), "up_proj": _colwise(mlp, "up_proj"),
+            "down_proj": _rowwise(mlp, "down_proj")}
+
+
+def apply_tensor_parallel(model: nn.Module, *, tp_mesh: DeviceMesh) -> None:
+    """Split heads and MLP columns of every decoder layer and the MTP layer over tp_mesh (see module docstring)."""
+    for block in _blocks(model):
+        attn = block.self_attn
+        if isinstance(attn, KimiDeltaAttention):
+            parallelize_module(attn, tp_mesh, tp_plan_kda(attn))
+        else:
+            parallelize_module(attn, tp_mesh, tp_plan_mla(attn))
+            attn.heads_group = tp_mesh.get_group()
+        mlp = block.mlp
+        dense = mlp.shared_experts if isinstance(mlp, MoE) else mlp
+        parallelize_module(dense, tp_mesh, tp_plan_mlp(dense))
+
+
+# ------------------------------------------------------------------------------------------ expert parallel
+def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh) -> list[nn.Parameter]:
+    """Shard every MoE's routed experts over ep_mesh (Shard(0) of the stacked weights); returns their parameters."""
+    params = []
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            HeadLocalParams(Shard(0))._apply(module, ep_mesh)
+            module.ep_group = ep_mesh.get_group()
+            params += list(module.parameters(recurse=False))
+    return params
+
+
+# ------------------------------------------------------------------------------------------ replicated params
+@dataclass
+class ReplicaGroup:
+    """Parameters outside FSDP2 whose copies must agree over `group`; gradients are summed over it and scaled."""
+
+    params: list[nn.Parameter]
+    group: dist.ProcessGroup | None
+    grad_scale: float
+    broadcast_group: dist.ProcessGroup | None = None  # where the values are made equal (default: `group`)
+
+
+@dataclass
+class Replicated:
+    """Every parameter kept out of FSDP2, by the group its copies live on."""
+
+    groups: list[ReplicaGroup] = field(default_factory=list)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for g in self.groups for p in g.params]
+
+    def __iter__(self):
+        return iter(self.params)
+
+    def allreduce_grads(self) -> None:
+        for g in self.groups:
+            allreduce_replicated_grads(g.params, group=g.group, scale=g.grad_scale)
+
+    def broadcast(self) -> None:
+        for g in self.groups:
+            broadcast_replicated_params(g.params, group=g.broadcast_group or g.group)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def allreduce_replicated_grads(params: list[nn.Parameter], *, group: dist.ProcessGroup | None = None,
+                               scale: float | None = None) -> None:
+    """Sum the gradients of replicated parameters over `group` in one flat all-reduce and multiply by `scale`
+    (default 1/group size: the average). DTensor gradients (tensor/expert-sharded) reduce their local shards."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    if not grads or not dist.is_initialized():
+        return
+    size = dist.get_world_size(group)
+    scale = 1.0 / size if scale is None else scale
+    if size == 1 and scale == 1.0:
         return
     flat = torch.cat([g.reshape(-1).float() for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
+    if size > 1:
+        dist.all_reduce(flat, group=group)
+    flat *= scale
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -71,14 +203,65 @@ def allreduce_replicated_grads(params: list[nn.Parameter], *, group: dist.Proces
 
 @torch.no_grad()
 def broadcast_replicated_params(params: list[nn.Parameter], *, group: dist.ProcessGroup | None = None) -> None:
-    """Make rank 0's values of the replicated parameters every rank's (after initialisation or loading): random
-    init of sharded DTensors may consume each rank's generator differently, so plain-tensor init alone cannot
-    be trusted to agree."""
+    """Make the group's first rank's values of the replicated parameters every member's (after initialisation or
+    loading): random init of sharded DTensors may consume each rank's generator differently, so plain-tensor init
+    alone cannot be trusted to agree. DTensor parameters broadcast their local shards."""
     if not params or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+    flat = torch.cat([_local(p.detach()).reshape(-1).float() for p in params])
     dist.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     offset = 0
     for p in params:
-        p.copy_(flat[offset:offset + p.numel()].view_as(p))
-        offset += p.numel()
+        local = _local(p.data)
+        local.copy_(flat[offset:offset + local.numel()].view_as(local))
+        offset += local.numel()
+
+
+# ------------------------------------------------------------------------------------------ the recipe
+def parallelize_glm5(
+    model: nn.Module,
+    *,
+    meshes: dict[str, DeviceMesh],
+    param_dtype: str,
+    reduce_dtype: str,
+    ac_mode: str,
+    compile_enable: bool,
+    compile_backend: str = "inductor",
+    compile_mode: str = "default",
+    compile_components: list[str] | None = None,
+) -> Replicated:
+    """TP -> EP -> AC -> compile -> FSDP2 in place (meshes from ParallelDims.build_mesh); returns the parameters kept
+    out of FSDP2 and how to keep them in sync."""
+    tp, ep = meshes["tp"], meshes.get("ep")
+    if tp.size() > 1:
+        apply_tensor_parallel(model, tp_mesh=tp)
+    experts = apply_expert_parallel(model, ep_mesh=ep) if ep is not None and ep.size() > 1 else []
+    apply_activation_checkpointing(model, mode=ac_mode)
+    if compile_enable:
+        apply_compile(model, backend=compile_backend, mode=compile_mode, components=compile_components or ["model"])
+
+    mesh = meshes["fsdp"]
+    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    kept = fp32_kept_params(model)
+    outside = set(kept) | set(experts)
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=True,
+                    ignored_params={p for p in block.parameters() if p in outside})
+    fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    # The head is called once per step after the trunk; keep it gathered from the final norm to the loss.
+    fully_shard([model.norm, model.lm_head], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=outside)
+
+    dp_cp = meshes["dp_cp"].get_group()
+    dp_cp_size = meshes["dp_cp"].size()
+    plain = [p for p in kept if not isinstance(p, DTensor)]
+    sharded = [p for p in kept if isinstance(p, DTensor)]
+    out = Replicated()
+    # FP32-kept: the data/context ranks see different tokens (sum / their count); plain ones are also equal over tp
+    out.groups.append(ReplicaGroup(plain, dp_cp, 1.0 / dp_cp_size, broadcast_group=dist.group.WORLD))
+    if sharded:
+        out.groups.append(ReplicaGroup(sharded, dp_cp, 1.0 / dp_cp_size))
+    if experts:
+        # each owner already summed its ep group's tokens (the all-to-all backward); add the other expert replicas
+        out.groups.append(ReplicaGroup(experts, meshes["edp"].get_group(), 1.0 / dp_cp_size))
+    return out

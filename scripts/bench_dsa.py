@@ -1,0 +1,151 @@
+"""One DSA layer's attention, forward + backward, on one GPU: the sparse op (absorbed MLA over K gathered latent
+tokens, ops/sparse_mla.py) against dense SDPA under the [T, T] selection mask (the path before issue 11) and dense
+causal SDPA (flash), at GLM-5.3-Flash's shapes (64 heads, qk = v = 256, latent 512, K = 2051).
+
+    python scripts/bench_dsa.py                       # T = 32768
+    python scripts/bench_dsa.py --seq-len 8192,32768 --layer
+
+Every variant gets the same random causal selection of K tokens per query (fewer for queries t < K). --layer also
+times the whole SparseMLA block of the proxy (projections, tiled indexer top-k, sparse attention, sparse KL) in
+BF16 against the same block in the dense warm-up form (masked SDPA, dense KL). Prints one JSON line per variant
+and a markdown table; CUDA events, median of --steps after --warmup (the first sparse call autotunes its Triton
+kernels: tens of seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+H, QK, V, R = 64, 256, 256, 512
+
+
+def causal_selection(seqlen: int, k: int, device: str) -> torch.Tensor:
+    """[1, T, K] int32: k distinct random tokens <= t per query (all of them when t < k), -1 padding."""
+    out = torch.empty(1, seqlen, k, dtype=torch.int32, device=device)
+    for s in range(0, seqlen, 1024):
+        t = torch.arange(s, min(s + 1024, seqlen), device=device)
+        r = torch.rand(t.numel(), max(seqlen, k), device=device).masked_fill(
+            torch.arange(max(seqlen, k), device=device)[None, :] > t[:, None], -1.0)
+        top = r.topk(k, dim=-1)
+        out[0, s:s + t.numel()] = torch.where(top.values >= 0, top.indices, -1).int()
+    return out
+
+
+def time_ms(fn, *, steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def attention_variants(seqlen: int, k: int, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
+    from torchtitan_glm.ops.sparse_mla import sparse_mla
+
+    idx = causal_selection(seqlen, k, device)
+    kw = dict(device=device, dtype=dtype, requires_grad=True)
+    q_lat, latent = torch.randn(1, seqlen, H, R, **kw), torch.randn(1, seqlen, R, **kw)
+    q, kk, v = (torch.randn(1, H, seqlen, d, **kw) for d in (QK, QK, V))
+    mask = torch.zeros(1, seqlen, seqlen + 1, dtype=torch.bool, device=device)
+    mask.scatter_(-1, torch.where(idx >= 0, idx.long(), seqlen), True)
+    mask = mask[:, None, :, :seqlen]
+    scale = QK**-0.5
+
+    def sparse():
+        out = sparse_mla(q_lat, latent, idx, scale=scale)
+        torch.autograd.grad(out, (q_lat, latent), torch.ones_like(out))
+
+    def dense_masked():
+        out = F.scaled_dot_product_attention(q, kk, v, attn_mask=mask, scale=scale)
+        torch.autograd.grad(out, (q, kk, v), torch.ones_like(out))
+
+    def dense_causal():
+        out = F.scaled_dot_product_attention(q, kk, v, is_causal=True, scale=scale)
+        torch.autograd.grad(out, (q, kk, v), torch.ones_like(out))
+
+    return {"sparse op (absorbed, K gathered)": sparse, "dense SDPA, [T, T] mask": dense_masked,
+            "dense SDPA, causal": dense_causal}
+
+
+def layer_variants(seqlen: int, device: str = "cuda", flavor: str = "glm5_3_flash_proxy",
+                   dtype: torch.dtype = torch.bfloat16) -> dict:
+    from torchtitan_glm.models.glm5 import get_flavor
+    from torchtitan_glm.models.glm5.dsa import DocLayout, SparseMLA
+    from torchtitan_glm.models.glm5.seqinfo import doc_positions
+
+    args = get_flavor(flavor).replace(indexer_tile_elements=1 << 28)
+    doc = DocLayout(*doc_positions(None, 1, seqlen, torch.device(device)))
+    x = torch.randn(1, seqlen, args.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    out = {}
+    for name, stage, kl in (("SparseMLA block, sparse + sparse KL", "sparse", "sparse"),
+                            ("SparseMLA block, sparse, no KL", "sparse", None),
+                            ("SparseMLA block, dense warm-up + dense KL", "dense", "dense")):
+        with torch.device(device):
+            block = SparseMLA(args.replace(dsa_attention=stage))
+            block.init_weights()
+        block.to(dtype)
+
+        def step(block=block, kl=kl):
+            o, _, stats = block(x, doc=doc, indexer_kl=kl)
+            loss = o.float().square().mean() + (stats.kl_sum / stats.rows if stats is not None else 0)
+            loss.backward()
+            block.zero_grad(set_to_none=True)
+            x.grad = None
+
+        out[name] = step
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-len", default="32768", help="comma-separated T values")
+    p.add_argument("--k", type=int, default=2051, help="tokens per query (index_topk + kpool - 1)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--layer", action="store_true", help="also time the whole proxy SparseMLA block")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_dsa.py: needs a CUDA GPU (the sparse op's fast path is a Triton kernel); none is visible.",
+              file=sys.stderr)
+        sys.exit(2)
+    rows = []
+    for seqlen in (int(s) for s in a.seq_len.split(",")):
+        variants = attention_variants(seqlen, a.k)
+        if a.layer:
+            variants.update(layer_variants(seqlen))
+        for name, fn in variants.items():
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                ms = time_ms(fn, steps=a.steps, warmup=a.warmup)
+            except torch.OutOfMemoryError:
+                ms = float("nan")
+            row = dict(seq_len=seqlen, variant=name, family="block" if name.startswith("SparseMLA") else "attention",
+                       fwd_bwd_ms=round(ms, 2),
+                       peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del variants
+        torch.cuda.empty_cache()
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, K = {a.k}\n")
+    print("| T | variant | fwd+bwd ms | peak GiB | time / sparse time |\n|---|---|---|---|---|")
+    for r in rows:  # against the first (sparse) variant of the same family and T
+        base = next(x for x in rows if x["seq_len"] == r["seq_len"] and x["family"] == r["family"])
+        print(f"| {r['seq_len']:,} | {r['variant']} | {r['fwd_bwd_ms']} | {r['peak_gib']} | "
+              f"{r['fwd_bwd_ms'] / base['fwd_bwd_ms']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""CUDA (Triton) sparse MLA against the tiled torch reference at GLM-5.3-Flash's shapes (H=64, D=512, K=2051), and the
+proxy's DSA layer compiled with inductor on the sparse path."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from torchtitan_glm.ops.sparse_mla import sparse_mla, sparse_mla_reference, sparse_mla_reference_bwd
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("triton") is None, reason="needs CUDA and triton")]
+
+H, D, K = 64, 512, 2051
+SCALE = 256**-0.5  # qk_head_dim^-1/2
+
+
+def causal_selection(seqlen: int, k: int, *, seed: int) -> torch.Tensor:
+    """[1, T, K] int32: per query k distinct random tokens <= t (all of them when t < k), -1 padding."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    out = torch.empty(1, seqlen, k, dtype=torch.int32, device="cuda")
+    for s in range(0, seqlen, 1024):  # [1024, T] random keys at a time
+        t = torch.arange(s, min(s + 1024, seqlen), device="cuda")
+        r = torch.rand(t.numel(), seqlen, generator=gen, device="cuda")
+        r = r.masked_fill(torch.arange(seqlen, device="cuda")[None, :] > t[:, None], -1.0)
+        top = r.topk(k, dim=-1)
+        out[0, s:s + t.numel()] = torch.where(top.values >= 0, top.indices, -1).int()
+    return out
+
+
+def _inputs(seqlen: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, seqlen, H, D, generator=gen, device="cuda").to(dtype)
+    kv = torch.randn(1, seqlen, D, generator=gen, device="cuda").to(dtype)
+    return q, kv, causal_selection(seqlen, K, seed=seed)
+
+
+def _rms_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).square().mean().sqrt() / b.float().square().mean().sqrt()).item()
+
+
+def _max_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("seqlen", [4096, 8192])
+def test_triton_matches_reference_bf16(seqlen):
+    q, kv, idx = _inputs(seqlen, torch.bfloat16)
+    q.requires_grad_()
+    kv.requires_grad_()
+    out = sparse_mla(q, kv, idx, scale=SCALE)
+    dout = torch.randn_like(out)
+    dq, dkv = torch.autograd.grad(out, (q, kv), dout)
+    with torch.no_grad():
+        ref, lse = sparse_mla_reference(q, kv, idx, scale=SCALE)
+        rdq, rdkv = sparse_mla_reference_bwd(dout, q, kv, idx, ref, lse, scale=SCALE)
+    # BF16 inputs, FP32 accumulation; the kernel rounds P and dS to BF16 for the tensor-core products.
+    for name, got, want, rms in (("out", out, ref, 1e-2), ("dq", dq, rdq, 2e-2), ("dkv", dkv, rdkv, 2e-2)):
+        assert _rms_ratio(got, want) < rms, (name, _rms_ratio(got, want))
+        assert _max_ratio(got, want) < 5 * rms, (name, _max_ratio(got, want))
+
+
+def test_triton_matches_reference_fp32_and_lse():
+    q, kv, idx = _inputs(2048, torch.float32, seed=1)
+    idx[0, 100] = -1  # a query without any token
+    out, lse = torch.ops.torchtitan_glm.sparse_mla_fwd(q, kv, idx, SCALE)
+    ref, ref_lse = sparse_mla_reference(q, kv, idx, scale=SCALE)
+    assert _max_ratio(out, ref) < 1e-4 and out[0, 100].abs().max() == 0
+    assert torch.isneginf(lse[0, 100]).all()
+    fin = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[fin], ref_lse[fin], rtol=1e-5, atol=1e-5)
+    dout = torch.randn_like(out)
+    dq, dkv = torch.ops.torchtitan_glm.sparse_mla_bwd(dout, q, kv, idx, out, lse, SCALE)
+    rdq, rdkv = sparse_mla_reference_bwd(dout, q, kv, idx, ref, ref_lse, scale=SCALE)
+    assert _max_ratio(dq, rdq) < 1e-4 and _max_ratio(dkv, rdkv) < 1e-4
+    assert dq[0, 100].abs().max() == 0
+    # A head-major q (the absorbing einsum's layout) is read in place; out and dq come back in that layout.
+    hq = q.transpose(1, 2).contiguous().transpose(1, 2)
+    hout, hlse = torch.ops.torchtitan_glm.sparse_mla_fwd(hq, kv, idx, SCALE)
+    hdq, hdkv = torch.ops.torchtitan_glm.sparse_mla_bwd(dout.transpose(1, 2).contiguous().transpose(1, 2), hq, kv, idx,
+                                                        hout, hlse, SCALE)
+    assert hout.stride() == hq.stride() and hdq.stride() == hq.stride()
+    assert _max_ratio(hout, ref) < 1e-4 and _max_ratio(hdq, rdq) < 1e-4 and _max_ratio(hdkv, rdkv) < 1e-4
+
+
+def test_deterministic_mode_uses_the_reference_backward():
+    q, kv, idx = _inputs(1024, torch.bfloat16, seed=2)
+    out, lse = torch.ops.torchtitan_glm.sparse_mla_fwd(q, kv, idx, SCALE)
+    dout = torch.randn_like(out)
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = torch.ops.torchtitan_glm.sparse_mla_bwd(dout, q, kv, idx, out, lse, SCALE)
+        second = torch.ops.torchtitan_glm.sparse_mla_bwd(dout, q, kv, idx, out, lse, SCALE)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_proxy_dsa_layer_compiles_and_trains_on_the_sparse_path():
+    from torchtitan_glm.models.glm5 import get_flavor
+    from torchtitan_glm.models.glm5.dsa import DocLayout, SparseMLA
+    from torchtitan_glm.models.glm5.seqinfo import doc_positions
+
+    torch.manual_seed(0)
+    args = get_flavor("glm5_3_flash_proxy")
+    with torch.device("cuda"):
+        attn = SparseMLA(args)
+        attn.init_weights()
+    attn.to(torch.bfloat16)
+    seqlen = 8192
+    doc_ids = (torch.arange(seqlen, device="cuda") >= 5000).long().unsqueeze(0)
+    doc = DocLayout(*doc_positions(doc_ids, 1, seqlen, torch.device("cuda")))
+    x = torch.randn(1, seqlen, args.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    compiled = torch.compile(attn, fullgraph=True)
+    out, indices, stats = compiled(x, doc=doc, indexer_kl="sparse")
+    assert indices.shape == (1, seqlen, args.index_topk + args.index_kpool - 1)
+    (out.float().square().mean() + stats.kl_sum / stats.rows).backward()
+    assert torch.isfinite(out).all() and stats.kl_sum > 0 and stats.rows > seqlen - 10
+    grads = {n: p.grad for n, p in attn.named_parameters() if p.requires_grad}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    assert grads["indexer.wq_b.weight"].abs().max() > 0 and grads["kv_b_proj.weight"].abs().max() > 0

@@ -1,0 +1,140 @@
+"""The DSA block on its sparse path: no T x T tensor, a 'shared' layer attends exactly the previous selection, the
+indexer learns only from its KL, selective checkpointing keeps the indexer's tiled ops out of the recompute."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from torchtitan_glm.activation_checkpoint import wrap_block
+from torchtitan_glm.models.glm5 import get_flavor
+from torchtitan_glm.models.glm5.decoder import DecoderLayer
+from torchtitan_glm.models.glm5.dsa import DocLayout, SparseMLA
+from torchtitan_glm.models.glm5.seqinfo import doc_positions
+from torchtitan_glm.ops import sparse_mla as sparse_mla_module
+
+_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest numel any op produces, inside this project's custom ops too (their CPU kernels are run
+    under the mode), and counts the custom-op calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest, self.where = 0, ""
+        self.calls: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "torchtitan_glm":
+            self.calls[func.__name__.split(".")[0]] += 1
+            with self:
+                out = func.redispatch(_CPU, *args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() > self.largest:
+                self.largest, self.where = t.numel(), str(func)
+        return out
+
+
+def _doc(seqlen: int, bsz: int = 1) -> DocLayout:
+    t = torch.arange(seqlen)
+    doc_ids = ((t >= seqlen // 3).long() + (t >= 2 * seqlen // 3 + 5).long()).expand(bsz, seqlen)
+    return DocLayout(*doc_positions(doc_ids, bsz, seqlen, torch.device("cpu")))
+
+
+def _attn(seed: int = 0, **overrides) -> SparseMLA:
+    torch.manual_seed(seed)
+    attn = SparseMLA(get_flavor("debug").replace(**overrides))
+    attn.init_weights()
+    return attn
+
+
+@pytest.mark.parametrize("kl", ["sparse", "dense"])
+def test_no_quadratic_tensor_at_moderate_length(monkeypatch, kl):
+    seqlen = 2048
+    monkeypatch.setattr(sparse_mla_module, "_TILE_ELEMENTS", 1 << 16)
+    attn = _attn(indexer_tile_elements=1 << 16)
+    x = torch.randn(1, seqlen, 64, requires_grad=True)
+    with LargestTensor() as rec:
+        out, indices, stats = attn(x, doc=_doc(seqlen), indexer_kl=kl)
+        (out.square().mean() + stats.kl_sum / stats.rows).backward()
+    assert {"sparse_mla_fwd", "sparse_mla_bwd", "kpool_topk", f"indexer_kl_{kl}"} <= set(rec.calls)
+    assert stats.rows > 0.9 * seqlen and x.grad.abs().max() > 0
+    # T * T / 16 = 262,144 elements; the inputs themselves are T x 64 = 131,072.
+    assert rec.largest <= seqlen * seqlen // 16, f"{rec.largest} elements from {rec.where}"
+
+    # The recorder does see a quadratic tensor where there is one: the dense warm-up's [B, T, T] mask.
+    dense = _attn(dsa_attention="dense")
+    with LargestTensor() as rec:
+        dense(x.detach(), doc=_doc(seqlen), indexer_kl="dense")
+    assert rec.largest >= seqlen * seqlen
+
+
+def test_shared_layer_attends_exactly_the_previous_selection():
+    seqlen = 96
+    doc = _doc(seqlen, bsz=2)
+    full, shared = _attn(seed=1), _attn(seed=2)
+    shared.indexer = None
+    x = torch.randn(2, seqlen, 64)
+    with torch.no_grad():
+        _, indices, _ = full(x, doc=doc)
+        got, passed_on, _ = shared(x, doc=doc, shared_indices=indices)
+        # Expanded MLA (kv_b_proj called as a Linear) under the dense mask the indices describe.
+        mask = torch.zeros(2, seqlen, seqlen + 1, dtype=torch.bool)
+        mask.scatter_(-1, torch.where(indices >= 0, indices.long(), seqlen), True)
+        mask = mask[..., :seqlen]
+        assert not mask.all(-1).any() and (mask.sum(-1) <= indices.shape[-1]).all()
+        q = shared.q_b_proj(shared.q_a_layernorm(shared.q_a_proj(x))).unflatten(-1, (4, 16)).transpose(1, 2)
+        kv = shared.kv_b_proj(shared.kv_a_layernorm(shared.kv_a_proj_with_mqa(x)))
+        k, v = kv.unflatten(-1, (4, 32)).transpose(1, 2).split([16, 16], -1)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=shared.scale)
+        want = shared.o_proj(want.transpose(1, 2).flatten(-2))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert passed_on is indices
+    with pytest.raises(ValueError, match="shared"):
+        shared(x, doc=doc)
+
+
+def test_indexer_learns_only_from_its_kl():
+    attn = _attn()
+    x = torch.randn(1, 64, 64, requires_grad=True)
+    out, _, stats = attn(x, doc=_doc(64), indexer_kl="sparse")
+    indexer = {n for n, _ in attn.named_parameters() if n.startswith("indexer.")}
+    lm = dict(zip(attn.state_dict(), torch.autograd.grad(out.sum(), list(attn.parameters()), allow_unused=True)))
+    kl = dict(zip(attn.state_dict(), torch.autograd.grad(stats.kl_sum, list(attn.parameters()), allow_unused=True)))
+    assert all(lm[n] is None for n in indexer) and all(lm[n] is not None for n in lm if n not in indexer)
+    assert all(kl[n] is not None and kl[n].abs().max() > 0 for n in indexer), [n for n in indexer if kl[n] is None]
+    assert all(kl[n] is None for n in kl if n not in indexer)
+    assert not stats.rows.requires_grad
+
+
+def test_kl_mode_must_match_the_attention():
+    with pytest.raises(ValueError, match="sparse indexer KL"):
+        _attn(dsa_attention="dense")(torch.randn(1, 8, 64), doc=_doc(8), indexer_kl="sparse")
+    with pytest.raises(ValueError, match="indexer_kl"):
+        _attn()(torch.randn(1, 8, 64), doc=_doc(8), indexer_kl="yes")
+
+
+@pytest.mark.parametrize("mode,runs", [("selective", 1), ("full", 2)])
+def test_selective_checkpoint_keeps_indexer_ops(mode, runs):
+    args = get_flavor("debug")
+    torch.manual_seed(0)
+    layer = DecoderLayer(args, 3)
+    layer.init_weights()
+    block = wrap_block(layer, mode=mode)
+    streams = torch.randn(1, 48, args.hc_mult, args.hidden_size, requires_grad=True)
+    doc = _doc(48)
+    with LargestTensor() as rec:
+        out, _, stats, _ = block(streams, doc, None, None, "sparse", False)
+        (out.square().mean() + stats.kl_sum / stats.rows).backward()
+    for op in ("sparse_mla_fwd", "kpool_topk", "indexer_kl_sparse"):
+        assert rec.calls[op] == runs, (op, dict(rec.calls))
+    assert rec.calls["sparse_mla_bwd"] == 1

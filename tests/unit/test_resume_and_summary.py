@@ -1,0 +1,79 @@
+"""components/resume.py (what an exact resume needs, what a changed LR schedule does) and components/logs.py (the
+start-up summary), against the objects they describe."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from torchtitan_glm.components.logs import memory_per_rank, startup_summary
+from torchtitan_glm.components.lr_scheduler import build_lr_scheduler
+from torchtitan_glm.components.resume import resume_mismatches, run_info, schedule_note
+from torchtitan_glm.config import load_config
+from torchtitan_glm.models.glm5 import Glm5Model, get_flavor
+
+
+def _info(*argv: str) -> dict:
+    cfg = load_config(["--config", "train_configs/debug_model.toml", *argv])
+    return run_info(cfg=cfg, args=cfg.model.model_args(), tokenizer_vocab_size=259)
+
+
+def test_resume_mismatches_name_the_key_and_both_values():
+    saved = _info()
+    assert resume_mismatches(saved, _info("--training.steps", "99", "--optimizer.lr", "1e-3")) == []
+    assert resume_mismatches(saved, _info("--training.seq_len", "256")) == ["training.seq_len was 128, is 256"]
+    changed = resume_mismatches(saved, _info("--model.flavor", "glm5_3_flash_proxy"))
+    assert changed[0] == "model.flavor was 'debug', is 'glm5_3_flash_proxy'"
+    assert "model.hidden_size was 64, is 4096" in changed
+    assert resume_mismatches(saved, _info("--model.vocab_size", "1024")) == ["model.vocab_size was 512, is 1024"]
+
+
+def test_schedule_note_says_what_the_resumed_scheduler_does():
+    """The note's numbers (3 significant digits) are the LR the real scheduler gives after a resume (its saved state
+    loaded into a scheduler built for the new length, with a different optimizer.lr: the saved peak wins)."""
+    saved, longer = _info("--training.steps", "10"), _info("--training.steps", "20", "--optimizer.lr", "1e-3")
+    note = schedule_note(saved, longer, 10)
+    m = re.fullmatch(r"the LR schedule changed since the checkpoint \(training\.steps 10 -> 20\): step 11 runs at lr "
+                     r"(\S+) where the saved schedule gives (\S+), then follows the new schedule to lr (\S+) at step "
+                     r"20; optimizer\.lr is 0\.001 but a resumed run keeps the checkpoint's peak lr 0\.003", note)
+    assert m, note
+
+    def scheduler(steps: int, lr: float):
+        cfg = load_config(["--config", "train_configs/debug_model.toml", "--training.steps", str(steps)])
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+        return opt, build_lr_scheduler(optimizer=opt, cfg=cfg.lr_scheduler, total_steps=steps)
+
+    opt_a, sched_a = scheduler(10, 3e-3)
+    for _ in range(10):
+        opt_a.step()
+        sched_a.step()
+    opt_b, sched_b = scheduler(20, 1e-3)
+    sched_b.load_state_dict(sched_a.state_dict())
+    assert float(m[1]) == pytest.approx(opt_b.param_groups[0]["lr"], rel=5e-3)
+    assert float(m[2]) == pytest.approx(opt_a.param_groups[0]["lr"], rel=5e-3) == pytest.approx(3e-4, rel=5e-3)
+    for _ in range(9):
+        opt_b.step()
+        sched_b.step()
+    assert float(m[3]) == pytest.approx(opt_b.param_groups[0]["lr"], rel=5e-3)
+    assert schedule_note(saved, _info("--training.steps", "10"), 10) is None
+
+
+def test_startup_summary_counts_this_ranks_state():
+    cfg = load_config(["--config", "train_configs/debug_model.toml", "--training.local_batch_size", "3"])
+    model = Glm5Model(get_flavor("debug"))
+    for p in model.mtp.parameters():
+        p.requires_grad_(False)
+    total = sum(p.numel() * 4 for p in model.parameters())
+    trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    assert memory_per_rank(model) == {"params": total, "grads": trainable, "optimizer": 2 * trainable}
+    text = startup_summary(cfg=cfg, args=model.args, model=model, world=2, dp_size=2, device=torch.device("cpu"),
+                           resume="fresh start")
+    rows = dict(re.findall(r"^  (\S+(?: \S+)?)\s{2,}(.+)$", text, flags=re.M))
+    assert set(rows) == {"model", "parameters", "layout", "precision", "memory/rank", "tokens/step", "steps",
+                         "dump folder", "tensorboard", "checkpoints", "resume"}
+    assert rows["tokens/step"].startswith("768 ")  # 128 x 3 x 2
+    assert rows["precision"] == "fp32 params, fp32 reduce"
+    assert rows["tensorboard"] == "./outputs/debug/tb" and rows["resume"] == "fresh start"
+    assert rows["model"].startswith("glm5 (flavor 'debug'): 4 layers (3 KDA + 1 DSA")

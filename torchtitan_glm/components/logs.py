@@ -1,0 +1,136 @@
+"""Python logging for the trainer, and the rank-0 start-up summary (what the run is about to do, in one block)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+__all__ = [
+    "init_logging", "format_block", "format_count", "format_bytes", "precision_line", "memory_per_rank",
+    "startup_summary",
+]
+
+_PACKAGE = "torchtitan_glm"
+
+
+def init_logging(*, rank: int) -> None:
+    """The package's loggers print to stdout: INFO and up on rank 0, WARNING and up (prefixed by the rank)
+    elsewhere, so a multi-rank job logs once. Idempotent; the root logger is left alone."""
+    log = logging.getLogger(_PACKAGE)
+    for h in list(log.handlers):
+        if getattr(h, "_torchtitan_glm", False):
+            log.removeHandler(h)
+    handler = logging.StreamHandler(sys.stdout)
+    handler._torchtitan_glm = True  # type: ignore[attr-defined]
+    prefix = "" if rank == 0 else f"[rank{rank}] "
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {prefix}%(message)s", "%Y-%m-%d %H:%M:%S"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    log.propagate = False
+
+
+def format_block(title: str, rows: Sequence[tuple[str, str]]) -> str:
+    """A titled block of aligned `name  value` rows."""
+    width = max(len(name) for name, _ in rows)
+    return "\n".join([title] + [f"  {name.ljust(width)}  {value}" for name, value in rows])
+
+
+def format_count(n: float) -> str:
+    """1234567 -> '1.23M'."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def format_bytes(n: float) -> str:
+    """Binary units: 1536 -> '1.50 KiB'."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+_SHORT_DTYPE = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+
+
+def precision_line(training: Any, float8: Any = None) -> str:
+    """How parameters are computed and gradients reduced (the [training] mixed-precision keys), and the FP8 split
+    ([float8]: recipe, routed experts, roles kept BF16) when it is on."""
+    param = _SHORT_DTYPE.get(training.mixed_precision_param, training.mixed_precision_param)
+    reduce = _SHORT_DTYPE.get(training.mixed_precision_reduce, training.mixed_precision_reduce)
+    line = f"{param} params, {reduce} reduce"
+    if float8 is not None and float8.enable:
+        experts = "FP8 grouped experts" if float8.moe_experts else "BF16 experts"
+        line += (f"; FP8 {float8.recipe} Linears, {experts}, kept BF16: {', '.join(float8.keep_bf16) or 'nothing'}"
+                 f"{', FP8 all-gather' if float8.fsdp_float8_all_gather else ''}")
+    return line
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor, unwrapped from torchao's FP8 all-gather wrapper."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local._tensor if type(local) is not torch.Tensor and hasattr(local, "_tensor") else local
+
+
+def memory_per_rank(model: nn.Module, *, optimizer_states_per_param: int = 2) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer states, from its local shards (AdamW: two
+    states per trainable parameter, in the parameter's dtype); activations and gathered weights are not counted."""
+    params = grads = 0
+    for p in model.parameters():
+        local = _local(p)
+        nbytes = local.numel() * local.element_size()
+        params += nbytes
+        if p.requires_grad:
+            grads += nbytes
+    return {"params": params, "grads": grads, "optimizer": optimizer_states_per_param * grads}
+
+
+def _model_line(cfg: Any, args: Any) -> str:
+    source = f"hf_config {cfg.model.hf_config}" if cfg.model.hf_config else (
+        f"HF checkpoint {cfg.checkpoint.initial_load_path}" if cfg.checkpoint.initial_load_in_hf
+        else f"flavor {cfg.model.flavor!r}")
+    n_kda = sum(t == "linear_attention" for t in args.layer_types)
+    n_moe = sum(t != "dense" for t in args.mlp_layer_types)
+    return (f"{cfg.model.name} ({source}): {args.num_hidden_layers} layers ({n_kda} KDA + "
+            f"{args.num_hidden_layers - n_kda} DSA, {n_moe} MoE of {args.n_routed_experts} experts, top "
+            f"{args.num_experts_per_tok}), MTP {args.num_nextn_predict_layers}, vocab {args.vocab_size}")
+
+
+def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_size: int, device: torch.device,
+                    resume: str, layout: str = "") -> str:
+    """The block rank 0 logs before the first step: model, parameters, layout, precision, memory per rank,
+    tokens per step, where outputs go, and whether the run resumes."""
+    from torchtitan_glm.components.metrics import count_params
+
+    counts = count_params(args)
+    mem = memory_per_rank(model)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    tokens = cfg.training.seq_len * cfg.training.local_batch_size * dp_size
+    ck = cfg.checkpoint
+    saving = "async" if ck.async_mode == "async" else "synchronous"
+    checkpoints = (f"{os.path.join(cfg.job.dump_folder, ck.folder)} (every {ck.interval} steps, keep "
+                   f"{ck.keep_latest_k or 'all'}, {saving})" if ck.enable else "off")
+    tensorboard = (os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
+                   if cfg.metrics.enable_tensorboard else "off")
+    rows = [
+        ("model", _model_line(cfg, args)),
+        ("parameters", f"{format_count(counts.total)} total, {format_count(counts.active)} active per token"),
+        ("layout", f"{world} rank(s), {backend} on {device.type}: " + (layout or f"FSDP2 data_parallel_shard={dp_size}")),
+        ("precision", precision_line(cfg.training, cfg.float8)),
+        ("memory/rank", f"params {format_bytes(mem['params'])}, grads {format_bytes(mem['grads'])}, optimizer "
+                        f"{format_bytes(mem['optimizer'])} (sharded state; activations not included)"),
+        ("tokens/step", f"{tokens:,} (seq_len {cfg.training.seq_len} x local_batch_size "
+                        f"{cfg.training.local_batch_size} x {dp_size} data-parallel)"),
+        ("steps", f"{cfg.training.steps} (on non-finite loss: {cfg.training.on_nonfinite})"),
+        ("dump folder", cfg.job.dump_folder),
+        ("tensorboard", tensorboard),
+        ("checkpoints", checkpoints),
+        ("resume", resume),
+    ]
+    return format_block("run summary", rows)

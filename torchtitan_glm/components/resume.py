@@ -1,0 +1,72 @@
+"""What a resumed run must keep, and what it should be told: the run facts saved with each checkpoint (run.json),
+the settings whose change breaks an exact resume, and what a changed LR schedule does at the resume step."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from torchtitan_glm.components.lr_scheduler import lr_factor
+
+__all__ = ["run_info", "resume_mismatches", "schedule_note"]
+
+# Model arguments that follow other settings and may change between stages without changing any parameter.
+_FREE_ARGS = ("dsa_attention",)
+
+
+def run_info(*, cfg: Any, args: Any, tokenizer_vocab_size: int) -> dict[str, Any]:
+    """The facts about this run saved with its checkpoints (JSON): the whole config and the model arguments."""
+    model_args = {k: v for k, v in dataclasses.asdict(args).items() if k not in _FREE_ARGS}
+    return json.loads(json.dumps({"config": cfg.to_dict(), "model_args": model_args,
+                                  "tokenizer_vocab_size": tokenizer_vocab_size}, default=str))
+
+
+def _exact_keys(info: dict[str, Any]) -> dict[str, Any]:
+    """The settings an exact resume needs unchanged, by the name a user knows them."""
+    cfg = info.get("config", {})
+    out = {"training.seq_len": cfg.get("training", {}).get("seq_len"),
+           "model.flavor": cfg.get("model", {}).get("flavor"),
+           "model.hf_config": cfg.get("model", {}).get("hf_config"),
+           "tokenizer vocabulary size (data.tokenizer)": info.get("tokenizer_vocab_size")}
+    if cfg.get("model", {}).get("hf_config"):
+        out.pop("model.flavor")  # ignored when hf_config is set
+    out.update({f"model.{k}": v for k, v in info.get("model_args", {}).items()})
+    return out
+
+
+def resume_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'key was X, is Y' for each setting that differs between a checkpoint's run and this one (configuration keys
+    first, then model arguments); empty when an exact resume is possible."""
+    old, new = _exact_keys(saved), _exact_keys(current)
+    return [f"{k} was {old[k]!r}, is {new[k]!r}" for k in new if k in old and old[k] != new[k]]
+
+
+def _lr(cfg: dict[str, Any], step: int, peak: float) -> float:
+    s = cfg["lr_scheduler"]
+    return peak * lr_factor(step, warmup_steps=s["warmup_steps"], total_steps=cfg["training"]["steps"],
+                            decay_type=s["decay_type"], decay_ratio=s["decay_ratio"], min_lr_factor=s["min_lr_factor"])
+
+
+def schedule_note(saved: dict[str, Any], current: dict[str, Any], step: int) -> str | None:
+    """One sentence on what the LR does when a run resumes at `step` with a changed schedule (None: unchanged).
+
+    The resumed scheduler keeps the checkpoint's peak lr (its saved base_lrs) and applies this run's schedule."""
+    old_cfg, new_cfg = saved.get("config"), current["config"]
+    if not old_cfg:
+        return None
+    keys = [("training", "steps")] + [("lr_scheduler", k) for k in new_cfg["lr_scheduler"]]
+    changed = [f"{sec}.{k} {old_cfg[sec][k]!r} -> {new_cfg[sec][k]!r}" for sec, k in keys
+               if old_cfg.get(sec, {}).get(k) != new_cfg[sec][k]]
+    peak = old_cfg["optimizer"]["lr"]
+    note = []
+    if changed:
+        before, after = _lr(old_cfg, step, peak), _lr(new_cfg, step, peak)
+        end = new_cfg["training"]["steps"]
+        note.append(f"the LR schedule changed since the checkpoint ({', '.join(changed)}): step {step + 1} runs at "
+                    f"lr {after:.3g} where the saved schedule gives {before:.3g}, then follows the new schedule to "
+                    f"lr {_lr(new_cfg, end - 1, peak):.3g} at step {end}")
+    if new_cfg["optimizer"]["lr"] != peak:
+        note.append(f"optimizer.lr is {new_cfg['optimizer']['lr']!r} but a resumed run keeps the checkpoint's peak lr "
+                    f"{peak!r}")
+    return "; ".join(note) or None

@@ -1,0 +1,126 @@
+"""Expert parallelism: routed experts sharded over the ep group, tokens dispatched to the rank holding their expert
+and combined back with all-to-alls, a grouped GEMM over the local experts in between.
+
+Why a custom op: the per-rank token counts (and so the all-to-all splits and the received row count) depend on the
+routing. Inside an opaque torch.library op the exchange runs eagerly with host-side splits while the compiled block
+around it sees static shapes (input and output are the [N*k, D] expert-sorted rows, as without EP), so no unbacked
+sizes reach the graph and new routings never recompile. The backward recomputes the dispatch (one more all-to-all
+of the rows, as activation checkpointing would) and differentiates the local experts' math with autograd.
+
+Layout: x [N, D] holds this rank's routed rows sorted by global expert id (counts [E]); rank r of the group owns
+experts [r*E/ep, (r+1)*E/ep) (the Shard(0) of the stacked weights). The experts run in x's dtype (their weights
+are cast as FSDP2's mixed precision would); weight gradients come back in the weights' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from torchtitan_glm.ops.kda import _autograd_inside_kernel
+
+__all__ = ["expert_parallel_swiglu"]
+
+
+def _group(name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+class _Plan:
+    """Splits and the rank-major -> expert-major permutation of one dispatch (host-side lists: eager only)."""
+
+    def __init__(self, counts: Tensor, group: dist.ProcessGroup, num_local: int) -> None:
+        ep = dist.get_world_size(group)
+        self.group = group
+        send = counts.to(torch.long).view(ep, num_local).contiguous()  # [dest rank, its local expert]
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)  # [source rank, my local expert]
+        self.input_splits = send.sum(1).tolist()
+        self.output_splits = recv.sum(1).tolist()
+        self.local_counts = recv.sum(0)  # [num_local] rows per local expert
+        # received rows are (source rank, expert)-major; the grouped GEMM wants expert-major
+        lens = recv.flatten()
+        starts = lens.cumsum(0) - lens
+        seg = torch.arange(lens.numel(), device=counts.device).view(ep, num_local).t().flatten()
+        self.perm = torch.cat([torch.arange(int(starts[s]), int(starts[s] + lens[s]), device=counts.device)
+                               for s in seg.tolist()]) if lens.sum() > 0 else lens.new_zeros(0)
+
+    def dispatch(self, x: Tensor) -> Tensor:
+        out = x.new_empty(sum(self.output_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), self.output_splits, self.input_splits, group=self.group)
+        return out[self.perm]
+
+    def combine(self, y: Tensor) -> Tensor:
+        back = torch.empty_like(y)
+        back[self.perm] = y
+        out = y.new_empty(sum(self.input_splits), *y.shape[1:])
+        dist.all_to_all_single(out, back.contiguous(), self.input_splits, self.output_splits, group=self.group)
+        return out
+
+
+def _local(x, counts, w_gate, w_up, w_down, swiglu_limit, fp8):
+    from torchtitan_glm.models.glm5.moe import grouped_swiglu
+
+    ws = [w.to(x.dtype) for w in (w_gate, w_up, w_down)]
+    return grouped_swiglu(x, counts, *ws, swiglu_limit=swiglu_limit, fp8=fp8)
+
+
+@torch.library.custom_op("torchtitan_glm::ep_swiglu_fwd", mutates_args=())
+def ep_swiglu_fwd(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, group_name: str,
+                  swiglu_limit: float, fp8: bool) -> Tensor:
+    """Dispatch -> local experts -> combine; [N, D] -> [N, D] in x's row order."""
+    plan = _Plan(counts, _group(group_name), w_gate.shape[0])
+    with torch.no_grad():
+        y = _local(plan.dispatch(x), plan.local_counts, w_gate, w_up, w_down, swiglu_limit, fp8)
+    return plan.combine(y)
+
+
+@ep_swiglu_fwd.register_fake
+def _(x, counts, w_gate, w_up, w_down, group_name, swiglu_limit, fp8):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("torchtitan_glm::ep_swiglu_bwd", mutates_args=())
+def ep_swiglu_bwd(dy: Tensor, x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                  group_name: str, swiglu_limit: float, fp8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dw_gate, dw_up, dw_down): dispatch x and dy again, differentiate the local experts, combine dx."""
+    plan = _Plan(counts, _group(group_name), w_gate.shape[0])
+    xs = plan.dispatch(x).detach().requires_grad_(True)
+    dys = plan.dispatch(dy)
+    ws = [w.detach().requires_grad_(True) for w in (w_gate, w_up, w_down)]
+    with _autograd_inside_kernel():
+        y = _local(xs, plan.local_counts, *ws, swiglu_limit, fp8)
+        grads = torch.autograd.grad(y, [xs, *ws], dys.to(y.dtype), allow_unused=True)
+    dxs, *dws = (torch.zeros_like(t) if g is None else g for t, g in zip([xs, *ws], grads))
+    return (plan.combine(dxs.to(x.dtype)), *(g.contiguous() for g in dws))
+
+
+@ep_swiglu_bwd.register_fake
+def _(dy, x, counts, w_gate, w_up, w_down, group_name, swiglu_limit, fp8):
+    return torch.empty_like(x), torch.empty_like(w_gate), torch.empty_like(w_up), torch.empty_like(w_down)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, counts, w_gate, w_up, w_down, group_name, swiglu_limit, fp8 = inputs
+    ctx.save_for_backward(x, counts, w_gate, w_up, w_down)
+    ctx.args = (group_name, swiglu_limit, fp8)
+
+
+def _backward(ctx, dy):
+    x, counts, w_gate, w_up, w_down = ctx.saved_tensors
+    dx, dg, du, dd = torch.ops.torchtitan_glm.ep_swiglu_bwd(dy.contiguous(), x, counts, w_gate, w_up, w_down,
+                                                            *ctx.args)
+    return dx, None, dg, du, dd, None, None, None
+
+
+ep_swiglu_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def expert_parallel_swiglu(x_sorted: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, *,
+                           group: dist.ProcessGroup, swiglu_limit: float, fp8: bool) -> Tensor:
+    """The routed experts of one MoE layer under expert parallelism (see module docstring): x_sorted [N, D] rows
+    sorted by global expert, counts [E], this rank's expert weights [E/ep, out, in] -> [N, D]."""
+    return ep_swiglu_fwd(x_sorted, counts, w_gate, w_up, w_down, group.group_name, swiglu_limit, fp8)
