@@ -25,13 +25,13 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def held(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    params = list(model.parameters())
+def held(trainer: Trainer, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    params = list(trainer.model.parameters())
     return {
         "params": _storage_bytes(params),
         "grads": _storage_bytes(p.grad for p in params),
         "optimizer": _storage_bytes(v for state in optimizer.state.values() for v in state.values()),
-        "replicated_params": _storage_bytes(p for p in params if not isinstance(p, DTensor)),
+        "replicated_params": _storage_bytes(trainer.replicated.params),  # what parallelize.py keeps out of FSDP2
     }
 
 
@@ -44,7 +44,7 @@ def main() -> None:
         trainer = Trainer(cfg)
         record: dict[str, int] = {}
         trainer.optimizer.register_step_post_hook(
-            lambda opt, args, kwargs, t=trainer, r=record: r.update(held(t.model, opt)))
+            lambda opt, args, kwargs, t=trainer, r=record: r.update(held(t, opt)))
         trainer.train_step(next(trainer.dataloader))
         assert record, "the optimizer step hook did not run"
         results.append(record)

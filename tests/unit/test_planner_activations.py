@@ -54,7 +54,7 @@ class _Capture(nn.Module):
             return self.inner(*args, **kwargs)
 
 
-def measured_saved(mode: str, ac: str) -> dict[str, int]:
+def measured_saved(mode: str, ac: str, *, sparse_kl: bool = False) -> dict[str, int]:
     """Bytes each captured block keeps, for one training step of the small model (BF16 weights, one document)."""
     args = get_flavor("debug").replace(**WIDTHS)
     torch.manual_seed(0)
@@ -76,8 +76,8 @@ def measured_saved(mode: str, ac: str) -> dict[str, int]:
     labels = torch.roll(tokens, -1, 1)
     labels[:, -1] = -100
     out = model(tokens, doc_ids=torch.zeros_like(tokens), labels=labels, token_scale=1.0 / SEQ, mtp_scale=0.1 / SEQ,
-                collect_indexer_stats=True)
-    (out.loss + indexer_kl_loss(out.indexer_stats, sparse=False)).backward()
+                collect_indexer_stats=True, indexer_sparse_loss=sparse_kl)
+    (out.loss + indexer_kl_loss(out.indexer_stats)).backward()
     return {name: sum(s.values()) for name, s in sinks.items()}
 
 

@@ -207,7 +207,8 @@ def plan_layout(request: Request, cfg: JobConfig, inv: ModelInventory, layout: L
     collect = scope == "bench_train" or (scope == "train" and cfg.loss.indexer_kl_coeff > 0
                                         and inv.args.num_dsa_layers > 0)
     ctx = ActContext(args=inv.args, batch=tr.local_batch_size, seq=tr.seq_len // layout.cp, keys=tr.seq_len,
-                     act=act, tp=layout.tp, device="cuda", fp32_params=scope == "train", collect_stats=collect)
+                     act=act, tp=layout.tp, device="cuda", fp32_params=scope == "train", collect_stats=collect,
+                     sparse_kl=cfg.loss.indexer_sparse_loss)
     compiled_loss = cfg.compile.enable and "loss" in cfg.compile.components
     setup = StepSetup(scope=scope, regime=regime, param_bytes=act,
                       reduce_bytes=_DTYPE_BYTES[tr.mixed_precision_reduce], ce_chunk=cfg.loss.ce_chunk_size,
@@ -229,7 +230,7 @@ def plan(request: Request) -> Plan:
             raise PlanError(f"scope {request.scope!r} is scripts/benchmark.py on one device; got --gpus {request.gpus}")
         layout, verdict = Layout(), Verdict(True)
     else:
-        layout = resolve_layout(fields, gpus=request.gpus, config_shard=cfg.parallelism.data_parallel_shard_degree)
+        layout = resolve_layout(fields, gpus=request.gpus, config=cfg.parallelism)
         verdict = trainer_verdict(rest, layout, gpus=request.gpus, explicit_shard="dp_shard" in fields)
         if not verdict.accepted and not request.what_if:
             raise verdict.error

@@ -25,6 +25,7 @@ class GpuSpec:
     fp8_speedup_rowwise: float
     gemm_fp32: float  # measured FP32 (SIMT) GEMM: the indexer scores and KL target run in FP32
     attention_masked: float  # measured dense masked attention (cuDNN, boolean mask), FLOP/s over all T x T pairs
+    attention_sparse: float  # assumption: the sparse absorbed-MLA Triton kernels (not timed on this GPU yet)
     kda_fwd_bwd_s_per_token_head: float  # measured FLA chunk_kda forward + backward
     kda_fwd_s_per_token_head: float  # measured FLA chunk_kda forward alone
     fused_ce_s_per_token: float  # measured fused LM-head CE forward + backward, D=4096, vocab=154880
@@ -49,7 +50,8 @@ class GpuSpec:
             f"{self.attention_masked / 1e12:.0f} TFLOP/s (all T x T pairs), FLA KDA "
             f"{self.kda_fwd_bwd_s_per_token_head * 1e9:.1f} ns per token-head fwd+bwd, fused CE "
             f"{self.fused_ce_s_per_token * 1e6:.2f} us per token, HBM {self.hbm_bandwidth / 1e12:.1f} TB/s",
-            f"assumed network: {self.gpus_per_node} GPUs per node, NVLink bus bandwidth {self.nvlink_busbw / g:.0f} "
+            f"assumed: sparse DSA attention {self.attention_sparse / 1e12:.0f} TFLOP/s (not timed on the GPU yet); "
+            f"network: {self.gpus_per_node} GPUs per node, NVLink bus bandwidth {self.nvlink_busbw / g:.0f} "
             f"GB/s, InfiniBand {self.ib_busbw / g:.0f} GB/s per GPU, all-to-all at {self.a2a_efficiency:.0%} of "
             f"those, {self.collective_latency_s * 1e6:.0f} us per collective",
         ]
@@ -70,6 +72,9 @@ H200 = GpuSpec(
     fp8_speedup_rowwise=1.31,
     gemm_fp32=53e12,
     attention_masked=199e12,
+    # Unmeasured: half of the measured causal FlashAttention rate (SDPA fwd+bwd, T=32768, 32 heads x 128: 7 x T^2 x
+    # H x d / 2 = 30.8 TFLOP in 57.3 ms = 537 TFLOP/s); scripts/bench_dsa.py measures it.
+    attention_sparse=270e12,
     kda_fwd_bwd_s_per_token_head=21.8e-3 / (32768 * 32),
     kda_fwd_s_per_token_head=4.34e-3 / (32768 * 32),
     fused_ce_s_per_token=39.2e-3 / 4096,

@@ -2,16 +2,17 @@
 trainer whether it accepts a layout, and the enumeration of candidate layouts for N GPUs.
 
 Every layout the planner plans goes through `trainer_verdict`, which runs the trainer's own config loading and
-`ParallelDims` on the layout's keys, so a rejected layout carries exactly the trainer's message. When the
-tensor/expert/context-parallel keys land (issue 10), only `trainer_verdict` changes.
+layout check on the layout's keys, so a rejected layout carries exactly the trainer's message.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
+from typing import Iterator
 
 from torchtitan_glm.config import ConfigError, load_config
-from torchtitan_glm.distributed.parallel_dims import ParallelDims
 
 # Layout field -> TorchTitan's [parallelism] key, and the key's default (a default is not passed to the trainer).
 PARALLELISM_KEYS = {
@@ -113,27 +114,47 @@ def split_layout_args(argv: list[str]) -> tuple[dict[str, int], list[str]]:
     return fields, rest
 
 
-def resolve_layout(fields: dict[str, int], *, gpus: int, config_shard: int = -1) -> Layout:
-    """A Layout from given degrees (others 1); dp_shard = -1 (or absent, then the config's value) takes the rest of
-    the GPUs. A product that does not divide is left for the trainer's validation to reject (dp_shard = 0 then)."""
-    rep, tp, cp, ep = (fields.get(k, 1) for k in ("dp_replicate", "tp", "cp", "ep"))
-    shard = fields.get("dp_shard", config_shard)
+def resolve_layout(fields: dict[str, int], *, gpus: int, config=None) -> Layout:
+    """A Layout from given degrees, else the config's [parallelism] (`config`), else the defaults; dp_shard = -1
+    takes the rest of the GPUs. A product that does not divide is left for the trainer's validation to reject
+    (dp_shard = 0 then)."""
+    def degree(field: str) -> int:
+        key, default = PARALLELISM_KEYS[field]
+        return fields.get(field, getattr(config, key, default))
+
+    rep, tp, cp, ep = (degree(k) for k in ("dp_replicate", "tp", "cp", "ep"))
+    shard = degree("dp_shard")
     if shard == -1:
         others = rep * tp * cp
         shard = gpus // others if others > 0 and gpus % others == 0 else 0
     return Layout(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, cp=cp)
 
 
+@contextlib.contextmanager
+def _world_size(gpus: int) -> Iterator[None]:
+    """WORLD_SIZE as torchrun would export it for `gpus` ranks, restored afterwards (train.check_layout reads it)."""
+    before = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(gpus)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = before
+
+
 def trainer_verdict(argv: list[str], layout: Layout, *, gpus: int, explicit_shard: bool = True) -> Verdict:
     """The trainer's answer for `layout` on `gpus` ranks: its config loading (`load_config`, ConfigError naming the
-    key) and its mesh validation (`ParallelDims.from_config`), run on the layout's `[parallelism]` keys.
+    key) and `train.check_layout` (ParallelDims against the world size, the model-dependent rules, what the trainer
+    does not run yet), on the layout's `[parallelism]` keys: the one place that calls the trainer's validation.
+    check_layout reads the world size from WORLD_SIZE, set here for the call (a `world_size=` argument would do)."""
+    from torchtitan_glm.train import check_layout
 
-    The one place that knows the trainer's parallelism API. Today `ParallelDims` knows dp_shard only; when issue 10's
-    keys land this becomes `ParallelDims.from_config(cfg.parallelism, world_size=gpus)` followed by
-    `validate_model_layout(dims, build_model_args(cfg), seq_len=cfg.training.seq_len)`."""
     try:
         cfg = load_config([*argv, *NEUTRAL_DATA, *layout.parallelism_overrides(explicit_shard=explicit_shard)])
-        ParallelDims.from_config(dp_shard=cfg.parallelism.data_parallel_shard_degree, world_size=gpus)
+        with _world_size(gpus):
+            check_layout(cfg)
     except (ConfigError, ValueError) as e:
         return Verdict(False, e)
     return Verdict(True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from .activations import ActContext, backward_work, forward_work, saved
 from .layout import Layout
 from .model import ModelInventory, Unit
-from .params import StateBytes, state_bytes, trainable_unit_bytes, unit_bytes
+from .params import StateBytes, outside, outside_unit_bytes, shard_of, state_bytes, trainable_unit_bytes, unit_bytes
 
 SCOPES = ("train", "bench_train", "bench_reference")
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "fsdp_buffers", "working", "loss")
@@ -109,6 +109,12 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
     def gathered(u: Unit | None) -> float:
         return unit_bytes(u, layout, dtype_bytes=setup.param_bytes, sharded=False) if (train and u) else 0.0
 
+    def expert_cast(u: Unit) -> float:
+        """Expert parallelism: the rank's experts (out of FSDP2) are cast to the compute dtype inside the MoE op."""
+        if not train or layout.ep == 1:
+            return 0.0
+        return sum(shard_of(p, layout).padded for p in u.params if p.expert) * setup.param_bytes
+
     kept: dict[str, float] = {}
     by_type: dict[str, float] = {}
     terms: dict[str, float] = {}
@@ -137,7 +143,7 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
             w.live["fsdp_buffers"] += gathered(head)
         nxt = order[i + 1] if i + 1 < len(order) else None
         s = block_saved(u)
-        w.point(f"forward {u.name}", activations=s, working=fwd_work(u),
+        w.point(f"forward {u.name}", activations=s, working=fwd_work(u) + expert_cast(u),
                 fsdp_buffers=gathered(u) + gathered(nxt))
         w.live["activations"] += s
         kept[u.name] = s
@@ -191,7 +197,8 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
         grads = _unsharded_grads(u, layout, setup, train, a)
         work = 0.0 if u.kind == "embed" else backward_work(u.kind, setup.regime, ctx,
                                                              shared_indexer=u.shared_indexer)
-        w.point(f"backward {u.name}", working=work, gradients=grads, fsdp_buffers=gathered(u) + gathered(before))
+        w.point(f"backward {u.name}", working=work + expert_cast(u), gradients=grads,
+                fsdp_buffers=gathered(u) + gathered(before))
         w.live["activations"] -= kept[u.name]
         if train:
             _reduce(w, u, layout, setup, grads, f"reduce-scatter {u.name}")
@@ -199,17 +206,19 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
             w.live["gradients"] += grads
         if u.kind == "mtp":
             finish_head()
-    if train:
-        w.point("all-reduce of the replicated FP32 gradients", working=state.replicated_grads)
+    if train:  # one flat FP32 copy per replica group (parallelize.Replicated): the experts' (EP), or the FP32-kept
+        experts = sum(outside_unit_bytes(Unit(u.name, u.kind, tuple(p for p in u.params if p.expert), True),
+                                         layout, trainable_only=True) for u in inv.units)
+        w.point("all-reduce of the replicated gradients", working=max(experts, state.replicated_grads - experts))
     return MemoryPlan(w.peak, w.peak_at, w.reserved, w.reserved_at, w.breakdown, by_type, terms, state, ce_work,
                       w.timeline)
 
 
 def _unsharded_grads(u: Unit, layout: Layout, setup: StepSetup, train: bool, act: int) -> float:
-    """A unit's gradients as its backward produces them: the compute dtype, unsharded (training: FSDP-managed and the
-    FP32-kept parameters' own FP32 gradients; benchmark: every parameter in BF16)."""
+    """A unit's gradients as its backward produces them: the compute dtype, unsharded (training: FSDP-managed, and the
+    parameters kept out of FSDP2 in their own dtype; benchmark: every parameter in BF16)."""
     if train:
-        rep = sum(p.numel * p.dtype_bytes for p in u.replicated if p.trainable)
+        rep = outside_unit_bytes(u, layout, trainable_only=True)
         return trainable_unit_bytes(u, layout, dtype_bytes=setup.param_bytes) + rep
     return sum(p.numel for p in (*u.params, *u.replicated)) * act
 
@@ -218,8 +227,8 @@ def _reduce(w: _Walk, u: Unit, layout: Layout, setup: StepSetup, grads: float, l
     """FSDP2's post-backward of a unit: copy the gradients into an FP32 reduce-scatter buffer of the unit's unsharded
     size, free them, keep the sharded FP32 result (plus the FP32-kept gradients, whole)."""
     rs_in = trainable_unit_bytes(u, layout, dtype_bytes=setup.reduce_bytes)
-    sharded = sum(p.dtype_bytes * _padded(p, layout) for p in u.params if p.trainable)
-    rep = sum(p.numel * p.dtype_bytes for p in u.replicated if p.trainable)
+    sharded = sum(p.dtype_bytes * _padded(p, layout) for p in u.params if p.trainable and not outside(p, layout))
+    rep = outside_unit_bytes(u, layout, trainable_only=True)
     w.point(label, gradients=grads + sharded, working=rs_in)
     w.live["gradients"] += sharded + rep
     w.cached = max(0.0, w.cached - sharded)  # the reduce-scatter output reuses the cached gradient blocks
@@ -227,6 +236,4 @@ def _reduce(w: _Walk, u: Unit, layout: Layout, setup: StepSetup, grads: float, l
 
 
 def _padded(p, layout: Layout) -> int:
-    from .params import shard_of
-
     return shard_of(p, layout).padded

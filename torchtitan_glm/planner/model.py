@@ -13,30 +13,15 @@ from torchtitan_glm.config import FLOAT8_ROLES, JobConfig
 from torchtitan_glm.float8 import convert_float8, param_precisions
 from torchtitan_glm.models.glm5 import Glm5Model
 from torchtitan_glm.models.glm5.args import Glm5ModelArgs
-from torchtitan_glm.models.glm5.dsa import SparseMLA
-from torchtitan_glm.models.glm5.kda import KDADecay, KimiDeltaAttention, ShortConv
-from torchtitan_glm.models.glm5.layers import DenseMLP, LMHead
-from torchtitan_glm.models.glm5.moe import GroupedExperts
+from torchtitan_glm.models.glm5.kda import KimiDeltaAttention
+from torchtitan_glm.models.glm5.moe import GroupedExperts, MoE
 from torchtitan_glm.models.glm5.parallelize import fp32_kept_params
-
-# Parameters the tensor-parallel plan of issue 10 splits over tp ranks, by owner class and attribute: KDA by heads
-# (f_a/g_a and the shared o_norm weight replicated), MLA q_b/kv_b column-wise and o_proj row-wise (q_a, kv_a and the
-# indexer replicated), dense and shared-expert MLPs, and TorchTitan's vocabulary-split embedding and LM head.
-_TP_SPLIT = {
-    KimiDeltaAttention: {"q_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj", "b_proj", "o_proj"},
-    ShortConv: {""},
-    KDADecay: {""},
-    SparseMLA: {"q_b_proj", "kv_b_proj", "o_proj"},
-    DenseMLP: {"gate_proj", "up_proj", "down_proj"},
-    nn.Embedding: {""},
-    LMHead: {""},
-}
-
 
 @dataclass(frozen=True)
 class Param:
     """One parameter as the trainer holds it: shape, whether FSDP2 manages it or it is replicated FP32, whether it is
-    a routed-expert weight (sharded by expert parallelism), trainable, split by tensor parallelism."""
+    a routed-expert weight (sharded by expert parallelism), trainable, and the dim parallelize.py's tensor-parallel
+    plan splits (None: whole on every tensor-parallel rank)."""
 
     fqn: str
     shape: tuple[int, ...]
@@ -44,7 +29,7 @@ class Param:
     replicated: bool
     expert: bool
     trainable: bool
-    tp_split: bool
+    tp_dim: int | None
 
     @property
     def numel(self) -> int:
@@ -77,6 +62,7 @@ class ModelInventory:
     fp8_roles: frozenset[str]  # Linear roles converted to Float8Linear
     fp8_recipe: str | None
     dense_fp8_fraction: float  # of the dense projections' weight elements, those Float8Linear converts
+    dense_tp_fraction: float  # of the dense projections' weight elements, those tensor parallelism splits
 
     @property
     def params(self) -> list[Param]:
@@ -111,25 +97,52 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
     return out
 
 
+def tensor_parallel_dims(model: Glm5Model) -> dict[int, int]:
+    """id(parameter) -> the dim parallelize.py's tensor-parallel plan shards it on, read from the plan's own styles
+    (tp_plan_kda / tp_plan_mla / tp_plan_mlp): column-wise Linears dim 0, row-wise Linears dim 1 (their bias
+    replicated), head-local parameters their placement's dim. Parameters absent are whole on every tp rank."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from torchtitan_glm.models.glm5.parallelize import (
+        HeadLocalParams, tp_plan_kda, tp_plan_mla, tp_plan_mlp,
+    )
+
+    out: dict[int, int] = {}
+    blocks = list(model.layers.values()) + ([model.mtp] if model.mtp is not None else [])
+    for block in blocks:
+        attn, mlp = block.self_attn, block.mlp
+        dense = mlp.shared_experts if isinstance(mlp, MoE) else mlp
+        plans = [(attn, tp_plan_kda(attn) if isinstance(attn, KimiDeltaAttention) else tp_plan_mla(attn)),
+                 (dense, tp_plan_mlp(dense))]
+        for parent, plan in plans:
+            for child, style in plan.items():
+                module = getattr(parent, child)
+                for pname, p in module.named_parameters(recurse=False):
+                    if isinstance(style, ColwiseParallel):
+                        out[id(p)] = 0
+                    elif isinstance(style, RowwiseParallel) and pname == "weight":
+                        out[id(p)] = 1
+                    elif isinstance(style, HeadLocalParams) and isinstance(style.placement, Shard):
+                        out[id(p)] = style.placement.dim
+    return out
+
+
 def inventory(model: Glm5Model, float8_line: str, *, recipe: str | None) -> ModelInventory:
     """Units and parameters of a meta model built by `build_meta_model` (`recipe`: float8.recipe when enabled)."""
     args = model.args
     kept = {id(p) for p in fp32_kept_params(model)}
     owners = _owners(model)
-    parents = {id(m): (parent, child) for parent in model.modules() for child, m in parent.named_children()}
+    tp_dims = tensor_parallel_dims(model)
 
     def describe(prefix: str, module: nn.Module) -> list[Param]:
         out = []
         for name, p in module.named_parameters():
             owner, _ = owners[id(p)]
-            entry = parents.get(id(owner))
-            tp = any(
-                (isinstance(owner, cls) and "" in attrs)
-                or (entry is not None and isinstance(entry[0], cls) and entry[1] in attrs)
-                for cls, attrs in _TP_SPLIT.items())
             out.append(Param(fqn=f"{prefix}.{name}" if prefix else name, shape=tuple(p.shape),
                              dtype_bytes=p.element_size(), replicated=id(p) in kept,
-                             expert=isinstance(owner, GroupedExperts), trainable=p.requires_grad, tp_split=tp))
+                             expert=isinstance(owner, GroupedExperts), trainable=p.requires_grad,
+                             tp_dim=tp_dims.get(id(p))))
         return out
 
     def unit(name: str, kind: str, modules: list[tuple[str, nn.Module]], reshard: bool, **kw) -> Unit:
@@ -158,6 +171,8 @@ def inventory(model: Glm5Model, float8_line: str, *, recipe: str | None) -> Mode
     sizes = {n: p.numel() for n, p in model.named_parameters()}
     total = sum(sizes[r["fqn"]] for r in dense)
     fp8_share = sum(sizes[r["fqn"]] for r in dense if r["precision"].startswith("fp8")) / total if total else 0.0
+    by_fqn = {q.fqn: q for u in units for q in (*u.params, *u.replicated)}
+    tp_share = sum(sizes[r["fqn"]] for r in dense if by_fqn[r["fqn"]].tp_dim is not None) / total if total else 0.0
     return ModelInventory(args=args, units=tuple(units), buffer_bytes=buffers, float8_line=float8_line,
                           expert_fp8=expert_fp8, fp8_roles=fp8_roles, fp8_recipe=recipe,
-                          dense_fp8_fraction=fp8_share)
+                          dense_fp8_fraction=fp8_share, dense_tp_fraction=tp_share)

@@ -7,9 +7,10 @@ Parameters and gradients stay in the dtype the model was built in (FP32 master w
 the compute copy FSDP2 all-gathers). FP32-kept parameters (parallelize.py) are whole on every rank, FP32, and so are
 their gradients and optimizer states. Only trainable parameters have gradients and optimizer states.
 
-Layouts of issue 10 (planned, not yet in the trainer): tensor parallelism divides the parameters its plan splits by
-tp before FSDP2; routed experts are divided over ep ranks and FSDP2-sharded over dp_shard x cp / ep (on dim 1 when
-there are fewer local experts than shard ranks, as TorchTitan does); everything else is sharded over dp_shard x cp.
+Tensor parallelism (parallelize.py) first splits the parameters its plan names over tp (tensor_parallel_dims), and
+FSDP2 then chunks each rank's tp-local tensor on dim 0 over dp_shard x cp. Under expert parallelism the routed
+experts are split over ep (E/ep whole experts per rank) and kept out of FSDP2: whole, in the model's dtype, on every
+rank of the expert-data group, like the FP32-kept parameters.
 """
 
 from __future__ import annotations
@@ -34,34 +35,32 @@ class Shard:
     local: int
 
 
+def outside(p: Param, layout: Layout) -> bool:
+    """Kept out of FSDP2 by parallelize.py: FP32-kept parameters, and routed experts under expert parallelism."""
+    return p.replicated or (p.expert and layout.ep > 1)
+
+
 def shard_of(p: Param, layout: Layout, *, rank: int = 0) -> Shard:
-    """`p` on FSDP rank `rank` (its coordinate in the parameter's FSDP mesh) of `layout`."""
+    """`p` on FSDP rank `rank` (its coordinate in the FSDP mesh) of `layout`."""
     shape = list(p.shape)
-    if p.tp_split and layout.tp > 1:
-        shape[0] = _ceil(shape[0], layout.tp)
-    if p.replicated:
-        n = 1
-        for s in shape:
-            n *= s
-        return Shard(n, n)
-    world = layout.fsdp
+    if p.tp_dim is not None and layout.tp > 1:
+        shape[p.tp_dim] = _ceil(shape[p.tp_dim], layout.tp)
     if p.expert and layout.ep > 1:
         shape[0] //= layout.ep
-        world = layout.edp
-        if shape[0] < world and len(shape) > 1:  # fewer local experts than shard ranks: shard dim 1 instead
-            shape = [shape[1], shape[0], *shape[2:]]
     rest = 1
     for s in shape[1:]:
         rest *= s
-    chunk = _ceil(shape[0], world)
+    if outside(p, layout):
+        return Shard(shape[0] * rest, shape[0] * rest)
+    chunk = _ceil(shape[0], layout.fsdp)
     rows = max(0, min(chunk, shape[0] - rank * chunk))
     return Shard(chunk * rest, rows * rest)
 
 
 @dataclass(frozen=True)
 class StateBytes:
-    """Per rank: parameters (FSDP shards + replicated), gradients, optimizer state; `replicated_*` is the FP32-kept
-    part of each (kept whole on every rank)."""
+    """Per rank: parameters (FSDP shards + replicated), gradients, optimizer state; `replicated_*` is the part kept
+    out of FSDP2 (the FP32-kept parameters; the routed experts under expert parallelism)."""
 
     params: int
     grads: int
@@ -81,9 +80,10 @@ def state_bytes(inv: ModelInventory, layout: Layout, *, rank: int = 0) -> StateB
     params = grads = opt = rp = rg = ro = tensors = 0
     for p in inv.params:
         s = shard_of(p, layout, rank=rank)
-        pb = s.padded * p.dtype_bytes if not p.replicated else s.local * p.dtype_bytes
+        pb = s.padded * p.dtype_bytes
         params += pb
-        if p.replicated:
+        kept_out = outside(p, layout)
+        if kept_out:
             rp += pb
         if not p.trainable:
             continue
@@ -92,7 +92,7 @@ def state_bytes(inv: ModelInventory, layout: Layout, *, rank: int = 0) -> StateB
         o = 2 * s.local * p.dtype_bytes + STEP_BYTES
         grads += g
         opt += o
-        if p.replicated:
+        if kept_out:
             rg += g
             ro += o
     return StateBytes(params, grads, opt, rp, rg, ro, tensors)
@@ -100,12 +100,13 @@ def state_bytes(inv: ModelInventory, layout: Layout, *, rank: int = 0) -> StateB
 
 def unit_bytes(unit: Unit, layout: Layout, *, dtype_bytes: int, sharded: bool) -> int:
     """Bytes of a unit's FSDP-managed parameters at `dtype_bytes` per element: the padded local shard, or the whole
-    unsharded (all-gathered) tensor a rank holds during the unit's compute (TP/EP-local, FSDP-gathered)."""
+    tp-local tensor a rank holds while the unit runs (FSDP2's all-gather)."""
     total = 0
     for p in unit.params:
+        if outside(p, layout):
+            continue
         s = shard_of(p, layout)
-        world = layout.edp if (p.expert and layout.ep > 1) else layout.fsdp
-        total += (s.padded if sharded else s.padded * world) * dtype_bytes
+        total += (s.padded if sharded else s.padded * layout.fsdp) * dtype_bytes
     return total
 
 
@@ -113,11 +114,15 @@ def trainable_unit_bytes(unit: Unit, layout: Layout, *, dtype_bytes: int) -> int
     """Unsharded bytes of a unit's trainable FSDP-managed parameters (its gradients before the reduce-scatter)."""
     total = 0
     for p in unit.params:
-        if p.trainable:
-            s = shard_of(p, layout)
-            world = layout.edp if (p.expert and layout.ep > 1) else layout.fsdp
-            total += s.padded * world * dtype_bytes
+        if p.trainable and not outside(p, layout):
+            total += shard_of(p, layout).padded * layout.fsdp * dtype_bytes
     return total
+
+
+def outside_unit_bytes(unit: Unit, layout: Layout, *, trainable_only: bool = False) -> int:
+    """Bytes of a unit's parameters kept out of FSDP2 (FP32-kept; experts under EP), as held: the rank's part."""
+    return sum(shard_of(p, layout).padded * p.dtype_bytes for p in (*unit.params, *unit.replicated)
+               if outside(p, layout) and (p.trainable or not trainable_only))
 
 
 def local_trainable_elements(inv: ModelInventory, layout: Layout, *, rank: int = 0) -> int:

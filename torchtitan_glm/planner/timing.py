@@ -5,9 +5,10 @@ Compute terms (FLOPs from the trainer's own counts, times from measured rates, h
   experts at the measured grouped-GEMM rate (x the rowwise FP8 speed-up when FP8), the fused LM-head CE at its
   measured time per row; full AC recomputes every forward GEMM, selective AC the grouped expert GEMMs (a custom op
   its policy does not save).
-- KDA at FLA's measured time per token and head; DSA attention as today's dense masked SDPA (every query against
-  every key of its row, at the measured cuDNN rate); the indexer's scores and the KL target's logits are FP32
-  matmuls at the measured FP32 rate.
+- KDA at FLA's measured time per token and head; DSA attention as the absorbed sparse MLA over the K selected
+  tokens (an assumed rate: the Triton kernel has not been timed on the H200), or in the dense warm-up masked SDPA
+  over every key (measured cuDNN rate); the indexer's tiled top-k and KL (scores, their gradients and the KL target's
+  logits) run in FP32 at the measured FP32 rate.
 - Memory-bound work (mHC, norms, gates, convs, routing) that no FLOP count sees: a time per token and block, the
   residual of the measured proxy benchmark after the terms above (hardware.GpuSpec.elementwise_s_per_token_block).
 - The optimizer: fused AdamW and the gradient clip stream 40 bytes per local trainable parameter at HBM speed.
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from torchtitan_glm.components.metrics import flops_breakdown, flops_per_token
 
-from .activations import ActContext
+from .activations import ActContext, selected_tokens
 from .comms import Collective, fsdp_collectives, other_collectives
 from .hardware import GpuSpec
 from .layout import Layout
@@ -51,9 +52,12 @@ def _layers(inv: ModelInventory, with_mtp: bool) -> list:
 
 def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime: str, with_mtp: bool,
                   layout: Layout, train: bool = True) -> dict[str, float]:
-    """Seconds of compute per step on one rank, by term."""
+    """Seconds of compute per step on one rank, by term. Tensor parallelism divides the heads' and MLP columns'
+    work; what its plan keeps whole (mHC, norms, router, routed experts, LM head, MLA latents, indexer) every tp rank
+    computes."""
     args = inv.args
-    tokens = ctx.tokens / ctx.tp  # work per rank: TP splits every term
+    tokens = ctx.tokens
+    tp = ctx.tp
     seq = ctx.keys
     layers = _layers(inv, with_mtp)
     n_moe = sum(1 for u in layers if u.kind.endswith("moe") or u.kind == "mtp")
@@ -65,6 +69,7 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
     expert = 6.0 * args.num_experts_per_tok * 3 * d * args.moe_intermediate_size * n_moe
     heads = 1 + int(with_mtp)
     dense = fb.params - expert - 6.0 * vocab * d * heads
+    dense *= inv.dense_tp_fraction / tp + (1 - inv.dense_tp_fraction)
     recompute_fwd = {"full": 1.0, "selective": 0.0}.get(regime, 0.0)
     fp8 = {"tensorwise": gpu.fp8_speedup_tensorwise}.get(inv.fp8_recipe or "", gpu.fp8_speedup_rowwise)
     dense_rate = gpu.gemm_bf16 * (1 + inv.dense_fp8_fraction * (fp8 - 1)) if inv.fp8_recipe else gpu.gemm_bf16
@@ -73,18 +78,29 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
         "dense_gemm": dense * tokens * (1 + recompute_fwd / 3) / dense_rate,
         "expert_gemm": expert * tokens * (1 + (1 if regime in ("full", "selective") else 0) / 3) / expert_rate,
         "lm_head_ce": gpu.fused_ce_s_per_token * tokens * heads * (vocab / 154880) * (d / 4096),
-        "kda": n_kda * tokens * args.linear_num_heads * (
+        "kda": n_kda * tokens * args.linear_num_heads / tp * (
             gpu.kda_fwd_bwd_s_per_token_head + recompute_fwd * gpu.kda_fwd_s_per_token_head),
     }
-    h, dqk, dv = args.num_attention_heads, args.qk_head_dim, args.v_head_dim
-    attn_fwd = 2.0 * tokens * seq * h * (dqk + dv)  # dense masked SDPA: every key of the row
-    out["dsa_attention"] = len(dsa) * attn_fwd * (3.5 + recompute_fwd) / gpu.attention_masked
-    pools = seq // args.index_kpool
-    idx_fwd = 2.0 * tokens * args.index_n_heads * pools * (args.index_head_dim + 1)
-    trained = ctx.collect_stats
-    out["indexer_fp32"] = n_idx * idx_fwd * ((3 if trained else 1) + recompute_fwd) / gpu.gemm_fp32
-    if trained:
-        out["kl_target_fp32"] = n_idx * 2.0 * tokens * seq * h * dqk / gpu.gemm_fp32
+    h, dqk, dv, kvl = args.num_attention_heads, args.qk_head_dim, args.v_head_dim, args.kv_lora_rank
+    ih, idim, kp = args.index_n_heads, args.index_head_dim, args.index_kpool
+    big_k = selected_tokens(args, seq)
+    k_pools = min(args.index_topk // kp, seq // kp)
+    pools = seq // kp
+    if args.dsa_attention == "sparse":  # absorbed MLA over K gathered latents: QK and PV both kv_lora_rank wide
+        attn_fwd = 2.0 * tokens * big_k * h / tp * 2 * kvl
+        out["dsa_attention"] = len(dsa) * attn_fwd * (3.5 + recompute_fwd) / gpu.attention_sparse
+    else:  # dense warm-up: masked SDPA over every key of the row
+        attn_fwd = 2.0 * tokens * seq * h / tp * (dqk + dv)
+        out["dsa_attention"] = len(dsa) * attn_fwd * (3.5 + recompute_fwd) / gpu.attention_masked
+    # the indexer's tiled FP32 ops (causal: on average half the pools / keys of the row), recomputed under full AC
+    topk = 2.0 * tokens * ih * (idim + 1) * pools / 2 if args.dsa_attention == "sparse" else 0.0
+    kl = 0.0
+    if ctx.collect_stats:
+        if ctx.sparse_kl:
+            kl = 6.0 * tokens * ih * idim * k_pools + 2.0 * tokens * big_k * h * kvl
+        else:
+            kl = 6.0 * tokens * ih * idim * pools / 2 + 2.0 * tokens * seq / 2 * h * kvl
+    out["indexer_fp32"] = n_idx * (topk + kl) * (1 + recompute_fwd) / gpu.gemm_fp32
     out["elementwise"] = gpu.elementwise_s_per_token_block[regime] * tokens * len(layers)
     if train:
         out["optimizer"] = OPTIMIZER_BYTES_PER_PARAM * local_trainable_elements(inv, layout) / gpu.hbm_bandwidth
