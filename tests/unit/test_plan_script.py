@@ -68,7 +68,8 @@ def test_json_schema_and_trainer_flops():
     _check(out["memory"], MEMORY_FIELDS)
     _check(out["time"], TIME_FIELDS)
     assert out["schema"] == SCHEMA and out["trainer_accepts"] and out["trainer_message"] is None
-    assert out["layout"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "ep": 1, "cp": 1}
+    assert out["layout"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "ep": 1, "cp": 1, "expert_fsdp": False}
+    assert out["design"] == "parallelize.py"
     cfg = load_config([*DEBUG])
     assert out["time"]["flops_per_token"] == flops_per_token(build_model_args(cfg), cfg.training.seq_len)
     assert out["tokens_per_step"] == 2 * cfg.training.local_batch_size * cfg.training.seq_len
@@ -109,3 +110,17 @@ def test_search_json(monkeypatch):
     speeds = [p["time"]["tokens_per_s"] for p in out["top"]]
     assert speeds == sorted(speeds, reverse=True) and all(p["memory"]["fits"] for p in out["top"])
     assert all(p["trainer_accepts"] for p in out["top"])
+
+
+def test_expert_fsdp_what_if():
+    """--expert-fsdp: the same EP layout with the experts FSDP2-sharded over the expert-data ranks (4 ranks, ep 2:
+    two ranks per expert set) holds half the expert bytes of parallelize.py's whole experts, all-gathers them, and is
+    marked as a what-if."""
+    layout = ["--parallelism.expert_parallel_degree", "2"]
+    whole = json.loads(run([*DEBUG, "--gpus", "4", "--json", *layout]))
+    sharded = json.loads(run([*DEBUG, "--gpus", "4", "--json", "--expert-fsdp", *layout]))
+    assert whole["design"] == "parallelize.py" and sharded["design"].startswith("what-if")
+    assert sharded["memory"]["state_bytes"]["params"] < whole["memory"]["state_bytes"]["params"]
+    assert any(c["name"] == "fsdp all-gather (experts)" for c in sharded["collectives"])
+    assert any(c["name"] == "expert grad all-reduce" for c in whole["collectives"])
+    assert not any(c["name"] == "expert grad all-reduce" for c in sharded["collectives"])

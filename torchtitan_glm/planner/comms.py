@@ -67,15 +67,20 @@ def fsdp_collectives(inv: ModelInventory, layout: Layout, gpu: GpuSpec, *, param
     for u in inv.units:
         if u.kind == "mtp" and not with_mtp:
             continue
-        gathered = unit_bytes(u, layout, dtype_bytes=param_bytes, sharded=False)
-        grads = trainable_unit_bytes(u, layout, dtype_bytes=reduce_bytes)
-        gathers = 1 + int(u.reshard_after_forward)
-        colls = [
-            _coll("fsdp all-gather", layout.fsdp, gathers, gathered * gathers, span, gpu, overlapped=True),
-            _coll("fsdp reduce-scatter", layout.fsdp, 1, grads, span, gpu, overlapped=True),
-            _coll("hsdp all-reduce", layout.dp_replicate, 1, grads / layout.fsdp, layout.gpus, gpu, factor=2.0,
-                  overlapped=True),
-        ]
+        colls = []
+        for expert in (False, True):  # experts have their own FSDP group under the expert-FSDP what-if
+            part = Unit(u.name, u.kind, tuple(p for p in u.params if p.expert == expert), u.reshard_after_forward)
+            group = layout.edp if (expert and layout.ep > 1) else layout.fsdp
+            tag = " (experts)" if expert and layout.ep > 1 else ""
+            gathered = unit_bytes(part, layout, dtype_bytes=param_bytes, sharded=False)
+            grads = trainable_unit_bytes(part, layout, dtype_bytes=reduce_bytes)
+            gathers = 1 + int(u.reshard_after_forward)
+            colls += [
+                _coll("fsdp all-gather" + tag, group, gathers, gathered * gathers, span, gpu, overlapped=True),
+                _coll("fsdp reduce-scatter" + tag, group, 1, grads, span, gpu, overlapped=True),
+                _coll("hsdp all-reduce" + tag, layout.dp_replicate, 1, grads / group, layout.gpus, gpu, factor=2.0,
+                      overlapped=True),
+            ]
         out[u.name] = [c for c in colls if c is not None]
     return out
 

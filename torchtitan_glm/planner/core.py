@@ -34,9 +34,10 @@ PLAN_FIELDS = {
     "scope": (str, "train | bench_train | bench_reference"),
     "gpu": (str, "GPU model"),
     "gpus": (int, "world size"),
-    "layout": (dict, "dp_replicate, dp_shard, tp, ep, cp"),
+    "layout": (dict, "dp_replicate, dp_shard, tp, ep, cp, expert_fsdp"),
     "trainer_accepts": (bool, "whether train.py accepts the layout today"),
     "trainer_message": ((str, type(None)), "the trainer's error for a rejected layout"),
+    "design": (str, "'parallelize.py' or what the what-if assumes instead"),
     "seq_len": (int, "tokens per row"),
     "local_batch_size": (int, "rows per data-parallel rank"),
     "tokens_per_step": (int, "global tokens per optimizer step"),
@@ -82,6 +83,7 @@ class Request:
     gpu: GpuSpec
     scope: str = "train"
     what_if: bool = False  # plan layouts the trainer does not accept yet (marked with its message)
+    expert_fsdp: bool = False  # what-if: under EP the experts FSDP2-sharded (TorchTitan's design), not parallelize.py's
 
 
 @dataclass
@@ -94,6 +96,14 @@ class Plan:
     memory: MemoryPlan
     time: TimePlan
     float8_line: str
+
+    @property
+    def design(self) -> str:
+        """What parallelisation the plan assumes: the trainer's, or a what-if."""
+        if self.layout.expert_fsdp and self.layout.ep > 1:
+            return ("what-if: routed experts FSDP2-sharded over the expert-data ranks (TorchTitan's design); "
+                    "parallelize.py keeps them whole out of FSDP2")
+        return "parallelize.py" if self.verdict.accepted else "what-if: a layout the trainer rejects today"
 
     @property
     def budget(self) -> float:
@@ -119,6 +129,7 @@ class Plan:
             "layout": self.layout.as_dict(),
             "trainer_accepts": self.verdict.accepted,
             "trainer_message": self.verdict.message,
+            "design": self.design,
             "seq_len": cfg.training.seq_len,
             "local_batch_size": cfg.training.local_batch_size,
             "tokens_per_step": t.tokens_per_step,
@@ -153,13 +164,14 @@ def assumptions(gpu: GpuSpec) -> list[str]:
         "memory: allocated bytes walked block by block; the reserve adds the caching allocator's per-stream pools "
         "(FSDP2's reduce-scatter outputs and all-gather buffers); a plan fits when the larger of the two is within "
         f"{MEMORY_BUDGET:.0%} of the card",
-        "activations: per-block inventories checked against saved-tensor measurements on CPU; on CUDA FLA's KDA "
-        "residuals and cuDNN's masked attention; tensor parallelism divides every per-token term by tp",
-        "DSA attention is today's dense masked SDPA (every key of the row), the indexer scores and KL target are FP32",
+        "activations: per-block inventories checked against saved-tensor captures on CPU (the same kernels' tensors "
+        "on CUDA, plus FLA's KDA residuals); tensor parallelism (no sequence parallelism) divides the split heads' "
+        "and columns' terms by tp",
+        "DSA: absorbed sparse MLA over index_topk + kpool - 1 tokens; the indexer's tiled top-k and KL in FP32",
         "expert load balanced (each rank's experts receive tokens x top-k rows); FSDP collectives hidden behind one "
-        "neighbouring unit's compute; EP all-to-all, TP, CP and the replicated-gradient all-reduce not hidden",
-        "layouts other than dp_shard over all GPUs are issue 10's (tensor/expert/context parallel, HSDP), planned as "
-        "issue 10 describes them; the trainer's own message says whether it accepts a layout today",
+        "neighbouring unit's compute; EP all-to-all, TP, CP and the out-of-FSDP gradient all-reduces not hidden",
+        "context parallelism is not run by the trainer yet (its message says so); --what-if plans it as issue 10 "
+        "describes it",
     ]
 
 
@@ -230,7 +242,8 @@ def plan(request: Request) -> Plan:
             raise PlanError(f"scope {request.scope!r} is scripts/benchmark.py on one device; got --gpus {request.gpus}")
         layout, verdict = Layout(), Verdict(True)
     else:
-        layout = resolve_layout(fields, gpus=request.gpus, config=cfg.parallelism)
+        layout = dataclasses.replace(resolve_layout(fields, gpus=request.gpus, config=cfg.parallelism),
+                                     expert_fsdp=request.expert_fsdp)
         verdict = trainer_verdict(rest, layout, gpus=request.gpus, explicit_shard="dp_shard" in fields)
         if not verdict.accepted and not request.what_if:
             raise verdict.error
@@ -257,6 +270,7 @@ def search(request: Request, *, top: int = 5, regimes: tuple[str, ...] | None = 
     regimes = regimes or (regime_of(cfg),)
     plans, rejected = [], {}
     for layout in cands:
+        layout = dataclasses.replace(layout, expert_fsdp=request.expert_fsdp)
         verdict = trainer_verdict(rest, layout, gpus=request.gpus)
         if not verdict.accepted:
             rejected[layout.describe()] = verdict.message

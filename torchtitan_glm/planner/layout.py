@@ -36,6 +36,9 @@ class Layout:
     tp: int = 1
     ep: int = 1
     cp: int = 1
+    # What-if, not parallelize.py today: under EP the routed experts FSDP2-sharded over the expert-data ranks
+    # (TorchTitan's design) instead of kept whole out of FSDP2.
+    expert_fsdp: bool = False
 
     @property
     def gpus(self) -> int:
@@ -69,10 +72,10 @@ class Layout:
 
     def describe(self) -> str:
         return (f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} ep={self.ep} "
-                f"cp={self.cp}")
+                f"cp={self.cp}" + (" (experts FSDP2-sharded: what-if)" if self.expert_fsdp and self.ep > 1 else ""))
 
-    def as_dict(self) -> dict[str, int]:
-        return {f: getattr(self, f) for f in PARALLELISM_KEYS}
+    def as_dict(self) -> dict[str, int | bool]:
+        return {**{f: getattr(self, f) for f in PARALLELISM_KEYS}, "expert_fsdp": self.expert_fsdp}
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,14 @@ class Shard:
 
 
 def outside(p: Param, layout: Layout) -> bool:
-    """Kept out of FSDP2 by parallelize.py: FP32-kept parameters, and routed experts under expert parallelism."""
-    return p.replicated or (p.expert and layout.ep > 1)
+    """Kept out of FSDP2 by parallelize.py: FP32-kept parameters, and routed experts under expert parallelism
+    (unless the layout is the expert-FSDP what-if)."""
+    return p.replicated or (p.expert and layout.ep > 1 and not layout.expert_fsdp)
+
+
+def fsdp_world(p: Param, layout: Layout) -> int:
+    """The FSDP2 shard degree of `p`: dp_shard x cp, or for FSDP-sharded experts under EP the expert-data ranks."""
+    return layout.edp if (p.expert and layout.ep > 1) else layout.fsdp
 
 
 def shard_of(p: Param, layout: Layout, *, rank: int = 0) -> Shard:
@@ -52,7 +58,11 @@ def shard_of(p: Param, layout: Layout, *, rank: int = 0) -> Shard:
         rest *= s
     if outside(p, layout):
         return Shard(shape[0] * rest, shape[0] * rest)
-    chunk = _ceil(shape[0], layout.fsdp)
+    world = fsdp_world(p, layout)
+    if p.expert and shape[0] < world and len(shape) > 1:  # fewer local experts than shard ranks: dim 1
+        rest = rest // shape[1] * shape[0]
+        shape = [shape[1], shape[0], *shape[2:]]
+    chunk = _ceil(shape[0], world)
     rows = max(0, min(chunk, shape[0] - rank * chunk))
     return Shard(chunk * rest, rows * rest)
 
@@ -106,7 +116,7 @@ def unit_bytes(unit: Unit, layout: Layout, *, dtype_bytes: int, sharded: bool) -
         if outside(p, layout):
             continue
         s = shard_of(p, layout)
-        total += (s.padded if sharded else s.padded * layout.fsdp) * dtype_bytes
+        total += (s.padded if sharded else s.padded * fsdp_world(p, layout)) * dtype_bytes
     return total
 
 
@@ -115,7 +125,7 @@ def trainable_unit_bytes(unit: Unit, layout: Layout, *, dtype_bytes: int) -> int
     total = 0
     for p in unit.params:
         if p.trainable and not outside(p, layout):
-            total += shard_of(p, layout).padded * layout.fsdp * dtype_bytes
+            total += shard_of(p, layout).padded * fsdp_world(p, layout) * dtype_bytes
     return total
 
 

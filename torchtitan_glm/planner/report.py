@@ -29,7 +29,7 @@ def plan_text(p: Plan) -> str:
     fit = "fits" if p.fits else "DOES NOT FIT"
     lines = [
         f"plan: {config} on {r.gpus} x {r.gpu.name} (scope {r.scope})",
-        f"layout: {p.layout.describe()}; the trainer {verdict}",
+        f"layout: {p.layout.describe()}; the trainer {verdict}; parallelisation: {p.design}",
         f"step: seq_len {cfg.training.seq_len} x local batch {cfg.training.local_batch_size} x dp {p.layout.dp} = "
         f"{t.tokens_per_step:,} tokens (each row over cp={p.layout.cp} ranks); AC {cfg.activation_checkpoint.mode} "
         f"({p.regime}); {p.float8_line}",
@@ -76,7 +76,7 @@ def plan_text(p: Plan) -> str:
 
 
 def search_rows(plans: list[Plan]) -> list[str]:
-    out = ["rank | layout | AC | local batch | peak / reserve GiB | tokens/s | per GPU | MFU | trainer today"]
+    out = ["rank | layout | AC | local batch | peak / reserve GiB | tokens/s | per GPU | MFU | trainer today"]  # noqa
     for i, p in enumerate(plans, 1):
         t, m = p.time, p.memory
         mfu = f"{100 * t.mfu:.1f}%" if t.mfu is not None else "-"
