@@ -75,8 +75,9 @@ class _SkippedSteps(Stateful):
         self.total, self.in_a_row = int(state_dict["total"]), int(state_dict["in_a_row"])
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
-    """Join the torchrun process group (NCCL on GPU, gloo on CPU); a plain `python train.py` is a world of one."""
+def init_distributed(*, cpu_backend: bool = False) -> tuple[int, int, torch.device]:
+    """Join the torchrun process group (NCCL on GPU, gloo on CPU); a plain `python train.py` is a world of one.
+    cpu_backend: on GPU, gloo too for CPU tensors (optimizer.cpu_offload: the gradient norm of host gradients)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -86,7 +87,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
+        backend = "cuda:nccl,cpu:gloo" if cpu_backend else "nccl"
     else:
         device = torch.device("cpu")
         backend = "gloo"
@@ -113,7 +114,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         dims, self.args = check_layout(cfg)
-        self.rank, self.world, self.device = init_distributed()
+        self.rank, self.world, self.device = init_distributed(cpu_backend=cfg.optimizer.cpu_offload)
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
         self.dims = dims
@@ -149,7 +150,7 @@ class Trainer:
             model, meshes=self.meshes, param_dtype=cfg.training.mixed_precision_param,
             reduce_dtype=cfg.training.mixed_precision_reduce, ac_mode=cfg.activation_checkpoint.mode,
             compile_enable=cfg.compile.enable, compile_backend=cfg.compile.backend, compile_mode=cfg.compile.mode,
-            compile_components=cfg.compile.components)
+            compile_components=cfg.compile.components, cpu_offload=cfg.optimizer.cpu_offload)
         if not small:
             model.to_empty(device=self.device)
             model.init_weights()
@@ -161,8 +162,9 @@ class Trainer:
                                                total_steps=cfg.training.steps)
         self.skipped = _SkippedSteps()
         self.stats = StepStats(device=self.device, tp=dims.tp, dp_size=self.dp_size)
-        # fused AdamW skips a non-finite update on the device; other optimizers read the flag each step
-        self.device_skip = supports_device_skip(self.optimizer)
+        # fused AdamW skips a non-finite update on the device; other optimizers (and steps on offloaded host
+        # parameters) read the flag each step
+        self.device_skip = supports_device_skip(self.optimizer, device=self.device)
         self.run_info = run_info(cfg=cfg, args=self.args, tokenizer_vocab_size=self.tokenizer.vocab_size)
         self.checkpointer = CheckpointManager(
             cfg=cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=model, optimizer=self.optimizer,

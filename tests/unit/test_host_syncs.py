@@ -105,8 +105,10 @@ def test_found_inf_skips_the_update_exactly_and_a_finite_step_is_the_plain_step(
     model, ref = _model_and_grads(0), _model_and_grads(0)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, fused=True)
-    assert supports_device_skip(opt)
-    assert not supports_device_skip(torch.optim.AdamW(model.parameters(), foreach=True))
+    cpu = torch.device("cpu")
+    assert supports_device_skip(opt, device=cpu)
+    assert not supports_device_skip(torch.optim.AdamW(model.parameters(), foreach=True), device=cpu)
+    assert not supports_device_skip(opt, device=torch.device("cuda"))  # host parameters, device flag
     optimizer_step(opt, found_inf=torch.zeros(()))
     ref_opt.step()
     for p, q in zip(model.parameters(), ref.parameters()):

@@ -527,6 +527,8 @@ def _non_finite(names: list[str], tensors: list[torch.Tensor]) -> list[str]:
         local = t.to_local() if hasattr(t, "to_local") else t
         if type(local) is not torch.Tensor and hasattr(local, "_tensor"):  # torchao's FP8 all-gather wrapper
             local = local._tensor
+        if type(local) is not torch.Tensor and hasattr(local, "dequantize"):  # torchao's low-bit optimizer states
+            local = local.dequantize()
         if local.numel() == 0 or not (local.is_floating_point() or local.is_complex()):
             continue
         lo, hi = torch.aminmax(local.detach())

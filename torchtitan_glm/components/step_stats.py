@@ -47,10 +47,12 @@ class PendingStep:
     event: Any = None  # CUDA event recorded after the copy was queued
 
 
-def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer.step()` honours a device `found_inf` flag: torch's fused Adam/AdamW (every param group)."""
+def supports_device_skip(optimizer: torch.optim.Optimizer, *, device: torch.device) -> bool:
+    """Whether `optimizer.step()` honours a `found_inf` flag on `device` without the host: torch's fused Adam/AdamW
+    with every parameter on that device type (a step on host parameters would read a flag still being copied)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
-        g.get("fused", False) for g in optimizer.param_groups)
+        g.get("fused", False) and all(p.device.type == device.type for p in g["params"])
+        for g in optimizer.param_groups)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, *, found_inf: torch.Tensor | None) -> None:

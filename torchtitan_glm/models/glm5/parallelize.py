@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
@@ -156,10 +156,12 @@ def parallelize_glm5(
     compile_mode: str = "default",
     compile_components: list[str] | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    cpu_offload: bool = False,
 ) -> Replicated:
     """TP -> EP -> AC -> compile -> FSDP2 in place (meshes from ParallelDims.build_mesh); returns the parameters kept
     out of FSDP2 and how to keep them in sync (their gradient all-reduces overlap with backward, in buckets of
-    `bucket_bytes`; distributed/replicated.py)."""
+    `bucket_bytes`; distributed/replicated.py). cpu_offload: FSDP2 keeps the sharded parameters, their gradients
+    (and so the optimizer's states) in (pinned, on a GPU) host memory; the parameters kept out of FSDP2 stay put."""
     tp, ep = meshes["tp"], meshes.get("ep")
     if tp.size() > 1:
         apply_tensor_parallel(model, tp_mesh=tp)
@@ -170,15 +172,18 @@ def parallelize_glm5(
 
     mesh = meshes["fsdp"]
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
     kept = fp32_kept_params(model)
     outside = set(kept) | set(experts)
     for block in _blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=True,
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=True, offload_policy=offload,
                     ignored_params={p for p in block.parameters() if p in outside})
-    fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=True, offload_policy=offload)
     # The head is called once per step after the trunk; keep it gathered from the final norm to the loss.
-    fully_shard([model.norm, model.lm_head], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=outside)
+    fully_shard([model.norm, model.lm_head], mesh=mesh, mp_policy=mp, reshard_after_forward=False,
+                offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=outside,
+                offload_policy=offload)
 
     dp_cp = meshes["dp_cp"].get_group()
     dp_cp_size = meshes["dp_cp"].size()
