@@ -474,13 +474,33 @@ class CheckpointConfig(_Section):
 
 @dataclass(frozen=True)
 class ActivationCheckpointConfig(_Section):
-    """[activation_checkpoint] mode: "none", "full" (recompute whole blocks) or "selective" (per-op policy)."""
+    """[activation_checkpoint] (activation_checkpoint.py) mode: "none", "full" (recompute whole blocks) or "selective"
+    (per-op policy: matmuls, attention and the KDA / DSA kernels saved, elementwise ops recomputed);
+    recompute_modules (selective only): parts of each block whose saved ops are recomputed too, any of "kda" (the
+    whole KDA token mixer), "mhc" (mHC maps and stream mixing), "indexer" (the DSA indexer: projections, top-k, KL),
+    "mla_up_proj" (MLA q / kv up-projections), "sparse_attn" (the DSA attention kernel), "moe" (router, experts and
+    shared expert), "mlp" (dense layers' MLP).
+    """
 
     SECTION: ClassVar[str] = "activation_checkpoint"
     mode: str = "none"
+    recompute_modules: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
+        from torchtitan_glm.activation_checkpoint import IMPLIED_BY_SELECTIVE, RECOMPUTE_MODULES
+
         self._choice("mode", ("none", "full", "selective"))
+        for name in self.recompute_modules:
+            if name in IMPLIED_BY_SELECTIVE:
+                self._fail("recompute_modules", f"{name!r}: {IMPLIED_BY_SELECTIVE[name]}")
+            if name not in RECOMPUTE_MODULES:
+                self._fail("recompute_modules", f"unknown module {name!r}; choose from {list(RECOMPUTE_MODULES)}")
+        self._require(len(set(self.recompute_modules)) == len(self.recompute_modules), "recompute_modules",
+                      "has duplicates")
+        if self.recompute_modules and self.mode != "selective":
+            self._fail("recompute_modules", f"{self.recompute_modules} refines mode 'selective' (what selective "
+                       f"saves, these parts recompute), not mode {self.mode!r}: set "
+                       "activation_checkpoint.mode = 'selective'")
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,7 @@ class Trainer:
         self.replicated = parallelize_glm5(
             model, meshes=self.meshes, param_dtype=cfg.training.mixed_precision_param,
             reduce_dtype=cfg.training.mixed_precision_reduce, ac_mode=cfg.activation_checkpoint.mode,
+            recompute_modules=cfg.activation_checkpoint.recompute_modules,
             compile_enable=cfg.compile.enable, compile_backend=cfg.compile.backend, compile_mode=cfg.compile.mode,
             compile_components=cfg.compile.components, cpu_offload=cfg.optimizer.cpu_offload)
         if not small:

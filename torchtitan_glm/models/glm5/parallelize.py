@@ -152,6 +152,7 @@ def parallelize_glm5(
     reduce_dtype: str,
     ac_mode: str,
     compile_enable: bool,
+    recompute_modules: tuple[str, ...] | list[str] = (),
     compile_backend: str = "inductor",
     compile_mode: str = "default",
     compile_components: list[str] | None = None,
@@ -166,7 +167,7 @@ def parallelize_glm5(
     if tp.size() > 1:
         apply_tensor_parallel(model, tp_mesh=tp)
     experts = apply_expert_parallel(model, ep_mesh=ep) if ep is not None and ep.size() > 1 else []
-    apply_activation_checkpointing(model, mode=ac_mode)
+    apply_activation_checkpointing(model, mode=ac_mode, recompute_modules=recompute_modules)
     if compile_enable:
         apply_compile(model, backend=compile_backend, mode=compile_mode, components=compile_components or ["model"])
 
