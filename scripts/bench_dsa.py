@@ -83,6 +83,7 @@ def attention_variants(seqlen: int, k: int, device: str = "cuda", dtype: torch.d
 def layer_variants(seqlen: int, device: str = "cuda", flavor: str = "glm5_3_flash_proxy",
                    dtype: torch.dtype = torch.bfloat16) -> dict:
     from torchtitan_glm.models.glm5 import get_flavor
+    from torchtitan_glm.models.glm5.batch import BatchLayout
     from torchtitan_glm.models.glm5.dsa import DocLayout, SparseMLA
     from torchtitan_glm.models.glm5.seqinfo import doc_positions
 
@@ -99,7 +100,7 @@ def layer_variants(seqlen: int, device: str = "cuda", flavor: str = "glm5_3_flas
         block.to(dtype)
 
         def step(block=block, kl=kl):
-            o, _, stats = block(x, doc=doc, indexer_kl=kl)
+            o, _, stats = block(x, BatchLayout(doc, None, None, kl))
             loss = o.float().square().mean() + (stats.kl_sum / stats.rows if stats is not None else 0)
             loss.backward()
             block.zero_grad(set_to_none=True)

@@ -73,8 +73,7 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
 
     def step() -> None:
         out = model(tokens, doc_ids=doc_ids, labels=labels, token_scale=1.0 / n,
-                    mtp_scale=0.1 / n if train_scope else 0.0, collect_indexer_stats=train_scope,
-                    indexer_sparse_loss=indexer_kl == "sparse")
+                    mtp_scale=0.1 / n if train_scope else 0.0, indexer_kl=indexer_kl if train_scope else None)
         loss = (out.loss + indexer_kl_loss(out.indexer_stats)) if train_scope else out.loss
         loss.backward()
         for p in model.parameters():

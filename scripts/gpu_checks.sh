@@ -6,6 +6,8 @@
 #   scripts/precision_agreement.py on the proxy, and BF16 vs FP8-split benchmark runs (FP8_RUNS, FP8_SEQ, FP8_SCOPE).
 #   longctx: the Triton sparse-MLA tests, scripts/bench_dsa.py (DSA_SEQ) and the proxy's sequence-length sweep with
 #   the sparse indexer KL (SWEEP_SEQ, SWEEP_RUNS, SWEEP_KL; one compile per T, so split long sweeps across calls).
+#   serving: the CUDA decode tests (FLA recurrent KDA, prefill states, sparse MLA over the latent cache, debug model
+#   decode == forward), scripts/rollout_agreement.py on the proxy (ROLLOUT_PRECISIONS) and scripts/bench_decode.py.
 # FLA autotunes every Triton kernel per shape on a fresh machine (minutes per shape) and keeps the result in
 # the Triton cache (*.autotune.json). The caches live under .gpu_cache/live (git ignores it; a warm device machine
 # keeps it between calls). At the end the autotune results alone are packed into $OUT/fla_autotune.tgz (KBs; the
@@ -55,6 +57,15 @@ case " $STAGES " in *" longctx "*)
   timeout "${SWEEP_TIMEOUT:-540}" python3 scripts/benchmark.py --flavor glm5_3_flash_proxy --seq-len "${SWEEP_SEQ:-sweep}" \
       --steps 3 --warmup 1 --docs 3 --runs "${SWEEP_RUNS:-compiled:auto}" --indexer-kl "${SWEEP_KL:-sparse}" \
       --out "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" ;;
+esac
+case " $STAGES " in *" serving "*)
+  timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/gpu/test_decode_cuda.py -p no:cacheprovider 2>&1 \
+      | tee "$OUT/decode_tests.log"
+  timeout "${ROLLOUT_TIMEOUT:-500}" python3 scripts/rollout_agreement.py --flavor glm5_3_flash_proxy \
+      --precisions "${ROLLOUT_PRECISIONS:-bf16,fp8_split,fp8_indexer,fp8_indexer_trained}" --num-sequences 16 \
+      --prompt-len 512 --continuation-len 128 --json "$OUT/rollout_agreement.json" 2>&1 | tee "$OUT/rollout_agreement.log"
+  timeout "${DECODE_BENCH_TIMEOUT:-400}" python3 scripts/bench_decode.py --flavor glm5_3_flash_proxy --batch 1,64 \
+      --prompt-len 512 --steps 64 --json "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.log" ;;
 esac
 case " $STAGES " in *" train "*)
   timeout "${TRAIN_TIMEOUT:-300}" torchrun --nproc-per-node 1 train.py --config train_configs/debug_model.toml \

@@ -23,15 +23,16 @@ from torchtitan_glm.components.metrics import (
     DeviceMemoryMonitor, build_metrics_logger, flops_per_token, format_step_line, get_peak_flops, throughput,
 )
 from torchtitan_glm.components.optimizer import build_optimizer, clip_grad_norm_
-from torchtitan_glm.components.resume import resume_mismatches, run_info, schedule_note
+from torchtitan_glm.components.resume import layout_note, resume_mismatches, run_info, schedule_note
 from torchtitan_glm.components.signals import StopRequest
 from torchtitan_glm.components.step_stats import PendingStep, StepStats, optimizer_step, supports_device_skip
 from torchtitan_glm.components.tokenizer import build_tokenizer, check_vocab_fits
 from torchtitan_glm.config import ConfigError, JobConfig, load_config, main_guard
+from torchtitan_glm.distributed.cp_layout import CPLayout
 from torchtitan_glm.distributed.parallel_dims import ParallelDims, validate_model_layout, world_size_from_env
 from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8, precompute_float8_scales
 from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs
-from torchtitan_glm.models.glm5.model import mtp_targets
+from torchtitan_glm.models.glm5.batch import train_batch
 from torchtitan_glm.models.glm5.parallelize import parallelize_glm5
 
 logger = logging.getLogger(__name__)
@@ -102,9 +103,6 @@ def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
     dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size_from_env())
     args = build_model_args(cfg)
     validate_model_layout(dims, args, seq_len=cfg.training.seq_len)
-    if dims.cp > 1:  # ops/kda_cp.py and distributed/cp_layout.py exist; the model and data do not use them yet
-        raise ConfigError("parallelism.context_parallel_degree",
-                          f"{dims.cp}: context parallelism is not wired into the model and data loader yet; use 1")
     return dims, args
 
 
@@ -122,15 +120,24 @@ class Trainer:
         # gradients are averaged over the ranks that see different tokens; batches are dealt over dp
         self.dp_size = dims.dp_cp
         self.dp_group = self.meshes["dp_cp"].get_group()
+        # CPU collectives of the data loader's set-up and of the HF import/export (the default group may be NCCL)
+        self.cpu_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        # Context parallelism: the cp ranks of a data-parallel rank read the same rows; each computes its zigzag part.
+        self.cp = None
+        if dims.cp > 1:
+            cp_mesh = self.meshes["cp"]
+            self.cp = (cp_mesh.get_group(), CPLayout(size=dims.cp, rank=cp_mesh.get_local_rank()))
 
         # The inputs are checked before the model is built: a tokenizer that does not fit the model, a bad jsonl
-        # line, a non-UTF-8 txt file or an out-of-vocabulary .bin token id stops every rank here.
+        # line, a non-UTF-8 txt file or an out-of-vocabulary .bin token id stops every rank here. Every rank of a
+        # data-parallel rank (its tensor/context-parallel peers) reads the same rows of the global batch; all ranks
+        # share the one-off token counting of text corpora (over a gloo group: CPU objects).
         self.tokenizer = build_tokenizer(cfg=cfg.data)
         check_vocab_fits(self.tokenizer, vocab_size=self.args.vocab_size, model=_model_source(cfg))
         self.dataloader = build_dataloader(
             cfg=cfg.data, tokenizer=self.tokenizer, seq_len=cfg.training.seq_len,
             local_batch_size=cfg.training.local_batch_size, dp_rank=self.meshes["dp"].get_local_rank(),
-            dp_world_size=dims.dp, seed=cfg.job.seed, vocab_size=self.args.vocab_size)
+            dp_world_size=dims.dp, seed=cfg.job.seed, vocab_size=self.args.vocab_size, group=self.cpu_group)
 
         torch.manual_seed(cfg.job.seed)
         with torch.device("meta"):
@@ -166,11 +173,12 @@ class Trainer:
         # fused AdamW skips a non-finite update on the device; other optimizers (and steps on offloaded host
         # parameters) read the flag each step
         self.device_skip = supports_device_skip(self.optimizer, device=self.device)
-        self.run_info = run_info(cfg=cfg, args=self.args, tokenizer_vocab_size=self.tokenizer.vocab_size)
+        self.run_info = run_info(cfg=cfg, args=self.args, tokenizer_vocab_size=self.tokenizer.vocab_size,
+                                 layout=dims.describe(), global_batch_rows=self.dataloader.global_batch_rows)
         self.checkpointer = CheckpointManager(
             cfg=cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, extra_state={"skipped_steps": self.skipped},
-            hf_load_fn=_hf_load, hf_save_fn=self._hf_save, run_info=self.run_info)
+            hf_load_fn=self._hf_load, hf_save_fn=self._hf_save, run_info=self.run_info)
         self.logger = build_metrics_logger(cfg=cfg.metrics, dump_folder=cfg.job.dump_folder, rank=self.rank)
         self.memory = DeviceMemoryMonitor(self.device)
         self.flops_per_token = flops_per_token(self.args, cfg.training.seq_len)
@@ -183,7 +191,18 @@ class Trainer:
 
         ckpt = self.cfg.checkpoint
         save_hf_from_sharded(model, out_dir, dtype=getattr(torch, ckpt.export_dtype), fp8=ckpt.export_fp8,
-                             keep_bf16=self.cfg.float8.keep_bf16)
+                             keep_bf16=self.cfg.float8.keep_bf16, process_group=self.cpu_group)
+
+    def _hf_load(self, model: torch.nn.Module, path: str) -> None:
+        from torchtitan_glm.models.glm5.hf_distributed import load_hf_weights_into
+
+        try:
+            load_hf_weights_into(model, path, process_group=self.cpu_group)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            if is_expected(e):
+                raise
+            raise CheckpointError(f"cannot load the HF checkpoint {path} (checkpoint.initial_load_path): "
+                                  f"{one_line(e)}") from e
 
     # ---------------------------------------------------------------------------------------------- step
     def train_step(self, batch: dict[str, torch.Tensor]) -> PendingStep:
@@ -193,15 +212,15 @@ class Trainer:
         tokens = batch["input_ids"].to(self.device)
         labels = batch["labels"].to(self.device)
         doc_ids = batch["doc_ids"].to(self.device)
-        count, mtp_count = losses.global_token_counts(labels, mtp_targets(labels), group=self.dp_group)
+        batch_ = train_batch(tokens, labels, doc_ids, cp=self.cp)
+        count, mtp_count = losses.global_token_counts(batch_.labels, batch_.mtp_labels, group=self.dp_group)
         scale = losses.token_scale(count, dp_size=self.dp_size)
         use_mtp = self.model.mtp is not None
         mtp_scale = cfg.mtp_weight * losses.token_scale(mtp_count, dp_size=self.dp_size) if use_mtp else 0.0
         use_kl = cfg.indexer_kl_coeff > 0 and self.args.num_dsa_layers > 0
-        out = self.model(tokens, doc_ids=doc_ids, labels=labels, token_scale=scale, mtp_scale=mtp_scale,
-                         collect_indexer_stats=use_kl, indexer_sparse_loss=cfg.indexer_sparse_loss,
-                         seq_aux=cfg.seq_aux_loss_coeff > 0,
-                         ce_chunk_size=cfg.ce_chunk_size)
+        out = self.model(batch_, token_scale=scale, mtp_scale=mtp_scale,
+                         indexer_kl=("sparse" if cfg.indexer_sparse_loss else "dense") if use_kl else None,
+                         seq_aux=cfg.seq_aux_loss_coeff > 0, ce_chunk_size=cfg.ce_chunk_size)
         # Sparse stage: everything trains on CE + MTP (+ KL for the indexer). Dense warm-up: only the indexer's
         # parameters require grad, and the KL is its objective; the CE is still computed, for the log.
         total = out.loss if cfg.indexer_stage == "sparse" else out.loss.new_zeros(())
@@ -360,10 +379,12 @@ class Trainer:
         ck.load(step)
         self._resume_state = (f"resumed from the step-{step} checkpoint {path}, training to step "
                               f"{cfg.training.steps}; to start fresh instead, use a new --job.dump_folder")
+        changed = layout_note(saved, self.run_info, next_row=self.dataloader.position) if saved is not None else None
         if self.rank == 0:
             logger.info(self._resume_state)
-            if note:
-                logger.warning(note)
+            for line in (note, changed):
+                if line:
+                    logger.warning(line)
         return step
 
     # ------------------------------------------------------------------------------------------ stopping
@@ -432,18 +453,6 @@ class Trainer:
         """Release the process group (no barrier: after an error elsewhere it could wait forever)."""
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _hf_load(model: torch.nn.Module, path: str) -> None:
-    from torchtitan_glm.models.glm5.hf_distributed import load_hf_weights_into
-
-    try:
-        load_hf_weights_into(model, path)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        if is_expected(e):
-            raise
-        raise CheckpointError(f"cannot load the HF checkpoint {path} (checkpoint.initial_load_path): "
-                              f"{one_line(e)}") from e
 
 
 def _run(cfg: JobConfig) -> None:

@@ -10,7 +10,7 @@ from torch import nn
 
 from torchtitan_glm.components.loss import indexer_kl_loss
 from torchtitan_glm.models.glm5.args import Glm5ModelArgs, get_flavor
-from torchtitan_glm.models.glm5.dsa import DocLayout
+from torchtitan_glm.models.glm5.batch import BatchLayout, DocLayout
 from torchtitan_glm.models.glm5.model import Glm5Model
 from torchtitan_glm.models.glm5.seqinfo import doc_positions
 
@@ -64,7 +64,7 @@ def make_batch(step: int, vocab: int, bsz: int = BATCH, seqlen: int = SEQLEN) ->
 
 def train_forward(model: nn.Module, batch: Batch, *, token_scale, mtp_scale, indexer_sparse_loss: bool = False):
     return model(batch.tokens, doc_ids=batch.doc_ids, labels=batch.labels, token_scale=token_scale,
-                 mtp_scale=mtp_scale, collect_indexer_stats=True, indexer_sparse_loss=indexer_sparse_loss,
+                 mtp_scale=mtp_scale, indexer_kl="sparse" if indexer_sparse_loss else "dense",
                  ce_chunk_size=LM_CHUNK)
 
 
@@ -93,9 +93,9 @@ def block_inputs(model: Glm5Model, name: str, *, seed: int = 0, step: int = 0) -
         return torch.randn(*shape, generator=gen).requires_grad_(True)
 
     if name.startswith(("kda", "dsa")):
-        return (randn(BATCH, SEQLEN, n, d), doc, doc_ids, None, "sparse", False), {}
+        return (randn(BATCH, SEQLEN, n, d), BatchLayout(doc, doc_ids, None, "sparse", False)), {}
     if name == "mtp":
-        return (randn(BATCH, SEQLEN, d), randn(BATCH, SEQLEN, d), doc, "dense", False), {}
+        return (randn(BATCH, SEQLEN, d), randn(BATCH, SEQLEN, d), BatchLayout(doc, doc_ids, None, "dense", False)), {}
     if name == "lm_head_loss":
         labels = torch.randint(0, args.vocab_size, (BATCH * SEQLEN,), generator=gen)
         labels[::7] = -100
@@ -131,6 +131,8 @@ def clone_inputs(inputs: tuple[tuple, dict]) -> tuple[tuple, dict]:
             return x.detach().clone().requires_grad_(x.requires_grad)
         if isinstance(x, DocLayout):
             return DocLayout(*(t.clone() for t in x))
+        if isinstance(x, BatchLayout):
+            return x._replace(doc=one(x.doc), doc_ids=None if x.doc_ids is None else x.doc_ids.clone())
         return x
 
     args, kwargs = inputs

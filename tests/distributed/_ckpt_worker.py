@@ -36,13 +36,14 @@ def _Cfg(**overrides) -> CheckpointConfig:  # noqa: N802 - reads like the datacl
 
 
 class _Loader:
-    """Per-rank stateful fake data: rank r reads positions 1000 r, 1000 r + 1, ... (a batch is a function of it)."""
+    """Stateful fake data with the trainer loader's contract: one global position, the same on every rank (saved
+    once); rank r's batch at position p is a function of (p, r)."""
 
     def __init__(self, rank: int, width: int) -> None:
-        self.width, self.pos = width, 1000 * rank
+        self.width, self.rank, self.pos = width, rank, 0
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.pos)
+        g = torch.Generator().manual_seed(1000 * self.rank + self.pos)
         self.pos += 1
         return torch.randn(8, self.width, generator=g), torch.randn(8, 4, generator=g)
 

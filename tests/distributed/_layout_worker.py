@@ -42,7 +42,7 @@ def global_batch(step: int):
 def step_loss(model, tokens, labels, doc_ids, *, dp: int, group):
     count, mtp_count = losses.global_token_counts(labels, mtp_targets(labels), group=group)
     out = model(tokens, doc_ids=doc_ids, labels=labels, token_scale=losses.token_scale(count, dp_size=dp),
-                mtp_scale=0.1 * losses.token_scale(mtp_count, dp_size=dp), collect_indexer_stats=True)
+                mtp_scale=0.1 * losses.token_scale(mtp_count, dp_size=dp), indexer_kl="dense")
     kl = losses.indexer_kl_loss(out.indexer_stats, dp_size=dp, group=group)
     return out.loss + kl, out, kl
 

@@ -49,7 +49,7 @@ def main() -> None:
         tokens = torch.randint(0, 512, (2, 32), generator=gen)
         labels = torch.roll(tokens, -1, 1)
         out = model(tokens, labels=labels, token_scale=1.0 / labels.numel(), mtp_scale=0.1 / labels.numel(),
-                    collect_indexer_stats=True)
+                    indexer_kl="dense")
         (out.loss + indexer_kl_loss(out.indexer_stats)).backward()
         sync.allreduce_grads()
         opt.step()
@@ -69,6 +69,18 @@ def main() -> None:
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
     assert all(torch.equal(g, gathered[0]) for g in gathered), "replicated FP32 parameters diverged across ranks"
+    # The inference entry runs under FSDP2 too (registered as an FSDP forward method): the same logits on every
+    # rank for the same tokens, and equal to the training entry's CE on them.
+    tokens = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        logits = model.logits(tokens)
+        ce = model(tokens, torch.roll(tokens, -1, 1)).ce
+    want = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), torch.roll(tokens, -1, 1).flatten(),
+                                             reduction="none").view_as(ce)
+    assert logits.shape == (1, 24, 512) and torch.allclose(ce, want, rtol=2e-2, atol=2e-2), (ce - want).abs().max()
+    every = [torch.empty_like(logits) for _ in range(world)]
+    dist.all_gather(every, logits.contiguous())
+    assert all(torch.equal(g, every[0]) for g in every)
     print(f"rank {rank} OK", flush=True)
     dist.destroy_process_group()
 

@@ -55,13 +55,13 @@ def test_fp8_moe_block_compiles_under_inductor(recipe):
     block = model.layers["1"]
     eager = copy.deepcopy(block)
     streams = torch.randn(1, 2048, args.hc_mult, args.hidden_size, device="cuda", dtype=torch.bfloat16)
-    from torchtitan_glm.models.glm5.dsa import DocLayout
+    from torchtitan_glm.models.glm5.batch import BatchLayout, DocLayout
     from torchtitan_glm.models.glm5.seqinfo import doc_positions
 
-    doc = DocLayout(*doc_positions(None, 1, 2048, streams.device))
+    batch = BatchLayout(DocLayout(*doc_positions(None, 1, 2048, streams.device)), None)
     compiled = torch.compile(block, fullgraph=True)
-    a = compiled(streams, doc)[0]
-    b = eager(streams, doc)[0]
+    a = compiled(streams, batch)[0]
+    b = eager(streams, batch)[0]
     a.float().square().mean().backward()
     b.float().square().mean().backward()
     assert _rel(a, b) < 2e-2

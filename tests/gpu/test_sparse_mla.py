@@ -100,6 +100,7 @@ def test_deterministic_mode_uses_the_reference_backward():
 
 def test_proxy_dsa_layer_compiles_and_trains_on_the_sparse_path():
     from torchtitan_glm.models.glm5 import get_flavor
+    from torchtitan_glm.models.glm5.batch import BatchLayout
     from torchtitan_glm.models.glm5.dsa import DocLayout, SparseMLA
     from torchtitan_glm.models.glm5.seqinfo import doc_positions
 
@@ -114,7 +115,7 @@ def test_proxy_dsa_layer_compiles_and_trains_on_the_sparse_path():
     doc = DocLayout(*doc_positions(doc_ids, 1, seqlen, torch.device("cuda")))
     x = torch.randn(1, seqlen, args.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     compiled = torch.compile(attn, fullgraph=True)
-    out, indices, stats = compiled(x, doc=doc, indexer_kl="sparse")
+    out, indices, stats = compiled(x, BatchLayout(doc, doc_ids, None, "sparse"))
     assert indices.shape == (1, seqlen, args.index_topk + args.index_kpool - 1)
     (out.float().square().mean() + stats.kl_sum / stats.rows).backward()
     assert torch.isfinite(out).all() and stats.kl_sum > 0 and stats.rows > seqlen - 10

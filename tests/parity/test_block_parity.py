@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from torchtitan_glm.models.glm5.decoder import DecoderLayer
+from torchtitan_glm.models.glm5.batch import BatchLayout
 from torchtitan_glm.models.glm5.dsa import DocLayout, SparseMLA
 from torchtitan_glm.models.glm5.kda import KimiDeltaAttention
 from torchtitan_glm.models.glm5.layers import DenseMLP
@@ -41,7 +42,7 @@ def test_kda_block(seqlen):
     load_from_hf(ours, ref)
     x = torch.randn(2, seqlen, 64)
     with torch.no_grad():
-        assert_close(ours(x), ref(x))
+        assert_close(ours(x, BatchLayout(_doc(2, seqlen), None)), ref(x))
 
 
 @pytest.mark.parametrize(
@@ -57,7 +58,7 @@ def test_dsa_block(kpool, topk, seqlen):
     x = torch.randn(2, seqlen, 64)
     with torch.no_grad():
         expected, _, _ = ref(x, attention_mask=torch.ones(2, seqlen, dtype=torch.bool))
-        got, indices, _ = ours(x, doc=_doc(2, seqlen))
+        got, indices, _ = ours(x, BatchLayout(_doc(2, seqlen), None))
     assert_close(got, expected)
     assert indices.shape == (2, seqlen, min(topk // kpool, seqlen // kpool) * kpool + kpool - 1)
     if seqlen > topk + kpool:
@@ -102,5 +103,5 @@ def test_decoder_layer(layer_idx):
     streams = torch.randn(2, 29, 4, 64)
     with torch.no_grad():
         expected, _ = ref(streams, attention_mask=torch.ones(2, 29, dtype=torch.bool))
-        got, *_ = ours(streams, _doc(2, 29))
+        got, *_ = ours(streams, BatchLayout(_doc(2, 29), None))
     assert_close(got, expected)

@@ -7,6 +7,7 @@ import torch
 
 from torchtitan_glm.models import glm5
 from torchtitan_glm.models.glm5 import Glm5Model, count_params, get_flavor
+from torchtitan_glm.models.glm5.batch import BatchLayout
 from torchtitan_glm.models.glm5.dsa import DocLayout, SparseMLA, causal_doc_mask
 from torchtitan_glm.models.glm5.mhc import sinkhorn
 from torchtitan_glm.models.glm5.seqinfo import doc_positions
@@ -42,7 +43,7 @@ def test_logits_match_transformers_via_save_pretrained(tmp_path, overrides, seql
         ids = torch.randint(0, 128, (2, seqlen), generator=torch.Generator().manual_seed(seqlen))
         with torch.no_grad():
             expected = hf(input_ids=ids).logits
-            got = ours(ids)
+            got = ours.logits(ids)
         assert_close(got, expected)
 
 
@@ -79,7 +80,7 @@ def test_indexer_selection_is_causal_and_keeps_tail():
     doc_ids = torch.repeat_interleave(torch.arange(2), lengths).unsqueeze(0)
     doc = DocLayout(*doc_positions(doc_ids, 1, 64, torch.device("cpu")))
     with torch.no_grad():
-        _, indices, _ = attn(torch.randn(1, 64, 64), doc=doc)
+        _, indices, _ = attn(torch.randn(1, 64, 64), BatchLayout(doc, None))
     assert indices.shape == (1, 64, 8 + 4 - 1)
     valid = indices[indices >= 0].long()
     assert len(set(zip(*[x.tolist() for x in torch.nonzero(indices >= 0, as_tuple=True)[:2]], valid.tolist()))) \

@@ -118,16 +118,109 @@ def test_resume_is_exact_jsonl_across_epochs(tmp_path):
     roundtrip_resume(cfg, seq_len=23, batch=3, rank=0, world=2, seed=9)
 
 
-def test_state_mismatch_is_rejected(tmp_path):
+def test_state_mismatch_is_rejected_naming_the_key(tmp_path):
     cfg = DataConfig(source="jsonl", paths=[write_jsonl(tmp_path / "d.jsonl", numbered_docs())])
     loader = make_loader(cfg, seq_len=16)
     take(loader, 2)
     state = loader.state_dict()
-    assert list(state) == ["dp_rank_0"]
-    with pytest.raises(ValueError, match="row_len"):
+    assert state["position"] == 8 and state["global_batch_rows"] == 4
+    with pytest.raises(DataError, match=r"training\.seq_len was 16, is 17"):
         make_loader(cfg, seq_len=17).load_state_dict(state)
-    with pytest.raises(ValueError, match="dp_rank_1"):
-        make_loader(cfg, seq_len=16, rank=1, world=2).load_state_dict(state)
+    with pytest.raises(DataError, match=r"job\.seed was 0, is 1"):
+        make_loader(cfg, seq_len=16, seed=1).load_state_dict(state)
+    other = DataConfig(source="jsonl", paths=[write_jsonl(tmp_path / "e.jsonl", numbered_docs(30))])
+    with pytest.raises(DataError, match=r"documents was 40, is 30.*data\.paths"):
+        make_loader(other, seq_len=16).load_state_dict(state)
+    with pytest.raises(DataError, match="older version"):
+        make_loader(cfg, seq_len=16).load_state_dict({"dp_rank_0": {"epoch": 0}})
+    make_loader(cfg, seq_len=16, rank=1, world=2).load_state_dict(state)  # another layout resumes
+
+
+def global_batches(cfg, world, steps, *, global_rows=4, state=None, **kw):
+    """The global batches (input_ids, labels, doc_ids concatenated over the ranks) of `steps` steps under `world`
+    data-parallel ranks, each loader optionally resumed from `state`."""
+    loaders = [make_loader(cfg, batch=global_rows // world, rank=r, world=world, **kw) for r in range(world)]
+    for loader in loaders:
+        if state is not None:
+            loader.load_state_dict(state)
+    out = []
+    for _ in range(steps):
+        parts = [next(loader) for loader in loaders]
+        out.append({k: torch.cat([p[k] for p in parts]) for k in ("input_ids", "labels", "doc_ids")})
+    assert len({str(loader.state_dict()) for loader in loaders}) == 1  # one global state, the same on every rank
+    return out, loaders[0].state_dict()
+
+
+def assert_same_batches(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        for k in x:
+            assert torch.equal(x[k], y[k]), k
+
+
+@pytest.mark.parametrize("source", ["jsonl", "bin", "builtin"])
+def test_global_batches_do_not_depend_on_the_data_parallel_degree(tmp_path, source):
+    if source == "jsonl":  # 40 short documents: 12 steps of 4 rows of 24 tokens cross several epochs
+        cfg, kw = DataConfig(source="jsonl", paths=[write_jsonl(tmp_path / "d.jsonl", numbered_docs())]), {}
+    elif source == "bin":  # 18 rows: epochs end inside global batches
+        write_bin(tmp_path / "a.bin", 11 * 25 + 3, "uint16", seed=1)
+        write_bin(tmp_path / "b.bin", 7 * 25, "uint16", seed=2)
+        cfg, kw = DataConfig(source="bin", paths=[str(tmp_path / "a.bin"), str(tmp_path / "b.bin")]), {}
+    else:
+        cfg, kw = DataConfig(), {"seed": 3}
+    ref, ref_state = global_batches(cfg, 1, 12, seq_len=24, **kw)
+    for world in (2, 4):
+        got, state = global_batches(cfg, world, 12, seq_len=24, **kw)
+        assert_same_batches(got, ref)
+        assert state == ref_state
+    for b in ref:
+        check_structure(b | {"cu_seqlens": pack_cu(b)}, eos_marks_boundaries=source != "bin")
+
+
+def pack_cu(batch):
+    b, t = batch["doc_ids"].shape
+    new = torch.ones(b, t, dtype=torch.bool)
+    new[:, 1:] = batch["doc_ids"][:, 1:] != batch["doc_ids"][:, :-1]
+    return torch.cat([new.reshape(-1).nonzero().flatten(), torch.tensor([b * t])]).int()
+
+
+def test_resume_under_another_layout_and_batch_size_reads_the_next_rows(tmp_path):
+    cfg = DataConfig(source="jsonl", paths=[write_jsonl(tmp_path / "d.jsonl", numbered_docs())])
+    ref, _ = global_batches(cfg, 1, 8, seq_len=20)
+    _, state = global_batches(cfg, 2, 3, seq_len=20)  # 3 steps under dp=2
+    for world in (1, 4):  # the same global batch under another data-parallel degree: the same next batches
+        rest, _ = global_batches(cfg, world, 5, seq_len=20, state=state)
+        assert_same_batches(rest, ref[3:])
+    # a global batch of 2 rows continues at the same row: its steps are the halves of the 4-row steps
+    halves, _ = global_batches(cfg, 2, 4, seq_len=20, state=state, global_rows=2)
+    for i, h in enumerate(halves):
+        whole = ref[3 + i // 2]
+        assert torch.equal(h["input_ids"], whole["input_ids"][(i % 2) * 2:(i % 2) * 2 + 2])
+
+
+class CountingTokenizer(ByteTokenizer):
+    """A tokenizer that is not the byte tokenizer to the loader (so counting calls encode), recording calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def encode(self, text):
+        self.calls.append(text[:5])
+        return list(text.encode("utf-8"))
+
+
+def test_a_rank_tokenises_only_the_documents_its_rows_overlap(tmp_path):
+    docs = numbered_docs()
+    cfg = DataConfig(source="jsonl", paths=[write_jsonl(tmp_path / "d.jsonl", docs)])
+    tok = CountingTokenizer()
+    loader = make_loader(cfg, seq_len=15, batch=1, rank=3, world=4, tok=tok)
+    assert len(tok.calls) == len(docs)  # one count per document, when built (split over ranks under a group)
+    tok.calls.clear()
+    for _ in range(3):
+        tok.calls.clear()
+        next(loader)
+        overlapped = [docs[int(d.rsplit(":", 1)[1]) - 1][:5] for d in loader.last_documents]
+        assert tok.calls and sorted(tok.calls) == sorted(overlapped)  # each once, no other rank's document
 
 
 # -------------------------------------------------------------------------------------------------- jsonl
@@ -160,18 +253,18 @@ def test_jsonl_without_eos_still_masks_document_ends(tmp_path):
     assert torch.equal(new_doc[0, 1:], x[1:] != x[:-1])
 
 
-def test_jsonl_ranks_partition_documents(tmp_path):
-    # 30 docs of 12 tokens (11 bytes + eos); 3 ranks x 10 docs = 120 tokens = 5 rows of 24: one batch is one epoch
+def test_jsonl_epoch_is_every_document_once(tmp_path):
+    # 30 docs of 12 tokens (11 bytes + eos) = 360 tokens = 15 rows of 24: one global batch of 3 ranks x 5 is one epoch
     docs = [f"<{i:03d}></{i:03d}>" for i in range(30)]
     cfg = DataConfig(source="jsonl", paths=[write_jsonl(tmp_path / "d.jsonl", docs)])
     seen = []
     for rank in range(3):
         loader = make_loader(cfg, seq_len=23, batch=5, rank=rank, world=3, seed=4)
         bt = next(loader)
-        assert loader.state_dict()[f"dp_rank_{rank}"]["epoch"] == 1
+        assert loader.state_dict()["position"] == 15
         text = TOK.decode(torch.cat([bt["input_ids"], bt["labels"][:, -1:]], 1).reshape(-1).tolist())
         seen.append(re.findall(r"<(\d{3})>", text))
-    assert all(len(s) == len(set(s)) == 10 for s in seen)
+    assert all(len(s) == len(set(s)) for s in seen)
     assert sorted(seen[0] + seen[1] + seen[2]) == [f"{i:03d}" for i in range(30)]  # disjoint and complete
 
 
@@ -206,9 +299,8 @@ def test_corpus_errors(tmp_path):
     blank = write_jsonl(tmp_path / "blank.jsonl", ["", ""])
     with pytest.raises(ValueError, match="blank.jsonl yields no tokens"):
         next(make_loader(DataConfig(source="jsonl", paths=[blank], add_eos=False)))
-    one = write_jsonl(tmp_path / "one.jsonl", ["only"])
-    with pytest.raises(ValueError, match="one.jsonl has 1 documents"):
-        make_loader(DataConfig(source="jsonl", paths=[one]), rank=0, world=2)
+    one = write_jsonl(tmp_path / "one.jsonl", ["only"])  # one document serves any number of ranks
+    assert next(make_loader(DataConfig(source="jsonl", paths=[one]), seq_len=8, batch=1, rank=1, world=2))
 
 
 def test_txt_files_are_documents(tmp_path):
@@ -265,7 +357,7 @@ def test_bin_rows_are_file_slices(tmp_path, dtype):
         for i, bt in enumerate(batches):
             check_structure(bt)
             for j in range(2):
-                g = (i * 2 + j) * 2 + rank  # rows are dealt round-robin to ranks
+                g = i * 4 + rank * 2 + j  # each rank reads its contiguous slice of the 4-row global batch
                 row = toks[g * (s + 1):(g + 1) * (s + 1)]
                 assert bt["input_ids"][j].tolist() == row[:-1].tolist()
                 expect = np.where(row[:-1] == EOS, -100, row[1:])

@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_leaves
 from torchtitan_glm.activation_checkpoint import wrap_block
 from torchtitan_glm.models.glm5 import get_flavor
 from torchtitan_glm.models.glm5.decoder import DecoderLayer
+from torchtitan_glm.models.glm5.batch import BatchLayout
 from torchtitan_glm.models.glm5.dsa import DocLayout, SparseMLA
 from torchtitan_glm.models.glm5.seqinfo import doc_positions
 from torchtitan_glm.ops import sparse_mla as sparse_mla_module
@@ -50,6 +51,10 @@ def _doc(seqlen: int, bsz: int = 1) -> DocLayout:
     return DocLayout(*doc_positions(doc_ids, bsz, seqlen, torch.device("cpu")))
 
 
+def _batch(doc: DocLayout, kl: str | None = None) -> BatchLayout:
+    return BatchLayout(doc, None, None, kl, False)
+
+
 def _attn(seed: int = 0, **overrides) -> SparseMLA:
     torch.manual_seed(seed)
     attn = SparseMLA(get_flavor("debug").replace(**overrides))
@@ -64,7 +69,7 @@ def test_no_quadratic_tensor_at_moderate_length(monkeypatch, kl):
     attn = _attn(indexer_tile_elements=1 << 16)
     x = torch.randn(1, seqlen, 64, requires_grad=True)
     with LargestTensor() as rec:
-        out, indices, stats = attn(x, doc=_doc(seqlen), indexer_kl=kl)
+        out, indices, stats = attn(x, _batch(_doc(seqlen), kl))
         (out.square().mean() + stats.kl_sum / stats.rows).backward()
     assert {"sparse_mla_fwd", "sparse_mla_bwd", "kpool_topk", f"indexer_kl_{kl}"} <= set(rec.calls)
     assert stats.rows > 0.9 * seqlen and x.grad.abs().max() > 0
@@ -74,7 +79,7 @@ def test_no_quadratic_tensor_at_moderate_length(monkeypatch, kl):
     # The recorder does see a quadratic tensor where there is one: the dense warm-up's [B, T, T] mask.
     dense = _attn(dsa_attention="dense")
     with LargestTensor() as rec:
-        dense(x.detach(), doc=_doc(seqlen), indexer_kl="dense")
+        dense(x.detach(), _batch(_doc(seqlen), "dense"))
     assert rec.largest >= seqlen * seqlen
 
 
@@ -85,8 +90,8 @@ def test_shared_layer_attends_exactly_the_previous_selection():
     shared.indexer = None
     x = torch.randn(2, seqlen, 64)
     with torch.no_grad():
-        _, indices, _ = full(x, doc=doc)
-        got, passed_on, _ = shared(x, doc=doc, shared_indices=indices)
+        _, indices, _ = full(x, _batch(doc))
+        got, passed_on, _ = shared(x, _batch(doc), indices)
         # Expanded MLA (kv_b_proj called as a Linear) under the dense mask the indices describe.
         mask = torch.zeros(2, seqlen, seqlen + 1, dtype=torch.bool)
         mask.scatter_(-1, torch.where(indices >= 0, indices.long(), seqlen), True)
@@ -100,13 +105,13 @@ def test_shared_layer_attends_exactly_the_previous_selection():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert passed_on is indices
     with pytest.raises(ValueError, match="shared"):
-        shared(x, doc=doc)
+        shared(x, _batch(doc))
 
 
 def test_indexer_learns_only_from_its_kl():
     attn = _attn()
     x = torch.randn(1, 64, 64, requires_grad=True)
-    out, _, stats = attn(x, doc=_doc(64), indexer_kl="sparse")
+    out, _, stats = attn(x, _batch(_doc(64), "sparse"))
     indexer = {n for n, _ in attn.named_parameters() if n.startswith("indexer.")}
     lm = dict(zip(attn.state_dict(), torch.autograd.grad(out.sum(), list(attn.parameters()), allow_unused=True)))
     kl = dict(zip(attn.state_dict(), torch.autograd.grad(stats.kl_sum, list(attn.parameters()), allow_unused=True)))
@@ -118,9 +123,9 @@ def test_indexer_learns_only_from_its_kl():
 
 def test_kl_mode_must_match_the_attention():
     with pytest.raises(ValueError, match="sparse indexer KL"):
-        _attn(dsa_attention="dense")(torch.randn(1, 8, 64), doc=_doc(8), indexer_kl="sparse")
+        _attn(dsa_attention="dense")(torch.randn(1, 8, 64), _batch(_doc(8), "sparse"))
     with pytest.raises(ValueError, match="indexer_kl"):
-        _attn()(torch.randn(1, 8, 64), doc=_doc(8), indexer_kl="yes")
+        _attn()(torch.randn(1, 8, 64), _batch(_doc(8), "yes"))
 
 
 @pytest.mark.parametrize("mode,runs", [("selective", 1), ("full", 2)])
@@ -133,7 +138,7 @@ def test_selective_checkpoint_keeps_indexer_ops(mode, runs):
     streams = torch.randn(1, 48, args.hc_mult, args.hidden_size, requires_grad=True)
     doc = _doc(48)
     with LargestTensor() as rec:
-        out, _, stats, _ = block(streams, doc, None, None, "sparse", False)
+        out, _, stats, _ = block(streams, _batch(doc, "sparse"))
         (out.square().mean() + stats.kl_sum / stats.rows).backward()
     for op in ("sparse_mla_fwd", "kpool_topk", "indexer_kl_sparse"):
         assert rec.calls[op] == runs, (op, dict(rec.calls))

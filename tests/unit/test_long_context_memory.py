@@ -36,7 +36,7 @@ _SCRIPT = textwrap.dedent("""
     labels[:, :-1].masked_fill_(doc_ids[:, 1:] != doc_ids[:, :-1], -100)
     labels[:, -1] = -100
     out = model(tokens, doc_ids=doc_ids, labels=labels, token_scale=1.0 / T, mtp_scale=0.1 / T,
-                collect_indexer_stats=True, indexer_sparse_loss=True)
+                indexer_kl="sparse")
     kl = indexer_kl_loss(out.indexer_stats)
     (out.loss + kl).backward()
     assert len(out.indexer_stats) == 2 and torch.isfinite(kl) and kl > 0

@@ -185,7 +185,7 @@ def test_frozen_kpool_ape_gets_no_gradient_and_nothing_else_changes():
     frozen.load_state_dict(trained.state_dict())
     tokens = torch.randint(0, args.vocab_size, (1, 24))
     for m in (trained, frozen):
-        out = m(tokens, labels=torch.roll(tokens, -1, 1), mtp_scale=0.1, collect_indexer_stats=True)
+        out = m(tokens, labels=torch.roll(tokens, -1, 1), mtp_scale=0.1, indexer_kl="dense")
         (out.loss + indexer_kl_loss(out.indexer_stats)).backward()
     ape = [n for n, _ in frozen.named_parameters() if n.endswith("kpool_ape.weight")]
     assert ape and all(dict(frozen.named_parameters())[n].grad is None for n in ape)

@@ -90,3 +90,22 @@ def test_startup_summary_counts_this_ranks_state():
     assert "(AdamW8bit; sharded state)" in rows["memory/rank"]
     assert rows["loss buffers"] == ("1.46 MiB logits chunk, 128.00 KiB LM-head weight gradient (FP32: 1,024 rows > "
                                     "loss.ce_chunk_size 500)")  # 500 x 512 x (4 + 2); 512 x 64 x 4
+
+
+def test_layout_note_says_what_changed_and_where_the_data_continues():
+    from torchtitan_glm.components.resume import layout_note
+
+    cfg = load_config(["--config", "train_configs/debug_model.toml"])
+
+    def info(layout, rows):
+        return run_info(cfg=cfg, args=cfg.model.model_args(), tokenizer_vocab_size=259, layout=layout,
+                        global_batch_rows=rows)
+
+    dp2, tp2 = "dp_replicate=1 dp_shard=2 cp=1 tp=1 ep=1 (world 2)", "dp_replicate=1 dp_shard=1 cp=1 tp=2 ep=1 (world 2)"
+    assert layout_note(info(dp2, 8), info(dp2, 8), next_row=80) is None
+    assert layout_note(info(dp2, 8), info(tp2, 8), next_row=80) == (
+        f"the parallel layout changed since the checkpoint ({dp2} -> {tp2}): its model and optimizer state are "
+        "resharded onto this one and the data continues at global row 80")
+    note = layout_note(info(dp2, 8), info(tp2, 4), next_row=80)
+    assert "global batch changed from 8 to 4 rows" in note and "the product is 8" in note
+    assert layout_note({"config": {}}, info(tp2, 4), next_row=80) is None  # a checkpoint from before: no facts

@@ -16,9 +16,12 @@ alone or the new one complete. keep_latest_k then prunes checkpoints older than 
 A load verifies the manifest first (the ranks share the files). Without an explicit step (cfg.load_step), a
 corrupt or incomplete newest checkpoint is reported by name and the newest one that verifies is used.
 
-One DCP state dict holds: "model" and "optimizer" (torch.distributed.checkpoint.state_dict getters/setters, so FSDP2
-DTensor shards are saved and resharded), "lr_scheduler", "train_state" (the step), and per-rank
-"dataloader_rank{r}" and "rng_rank{r}" (pickled, so each rank gets its own position and RNG streams back).
+One DCP state dict holds: "model" and "optimizer" (torch.distributed.checkpoint.state_dict getters/setters, so
+FSDP2/TP/EP DTensor shards are saved once and resharded onto whatever layout loads them; plain replicated tensors,
+such as the FP32-kept parameters, are deduplicated and read whole by every rank), "lr_scheduler", "train_state"
+(the step) and "dataloader" (one global data position, the same on every rank; pickled), and per rank "rng_rank{r}"
+(pickled RNG streams). A checkpoint loads under any layout: a rank gets its own RNG streams back when the world size
+is unchanged (an exact resume), else rank 0's (training draws no random numbers; init happens before the load).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from torchtitan_glm.components.errors import CheckpointError, NonFiniteError
+from torchtitan_glm.components.errors import CheckpointError, NonFiniteError, one_line
 from torchtitan_glm.float8 import plain_tensors
 
 __all__ = ["CheckpointManager", "list_checkpoints", "step_dir", "MANIFEST", "RUN_INFO"]
@@ -64,6 +67,12 @@ _HASH_CHUNK = 8 << 20
 # DCP reports rank failures as CheckpointException, a BaseException (not an Exception).
 _ERRORS = (Exception, dcp.CheckpointException)
 _MODEL, _OPTIMIZER, _LR_SCHEDULER, _TRAIN_STATE = "model", "optimizer", "lr_scheduler", "train_state"
+_DATALOADER = "dataloader"
+_RNG_RE = re.compile(r"^rng_rank(\d+)\.")
+
+
+def _rng_key(rank: int) -> str:
+    return f"rng_rank{rank}"
 
 
 def step_dir(root: str, step: int) -> str:
@@ -224,8 +233,8 @@ class CheckpointManager:
             _MODEL: _ModelState(model),
             _OPTIMIZER: _OptimizerState(model, optimizer),
             _LR_SCHEDULER: _PickledState(lr_scheduler),
-            f"dataloader_rank{self.rank}": _PickledState(dataloader),
-            f"rng_rank{self.rank}": _PickledState(_RNGState()),
+            _DATALOADER: _PickledState(dataloader),
+            _rng_key(self.rank): _PickledState(_RNGState()),
             _TRAIN_STATE: self._train_state,
         }
         for key, obj in (extra_state or {}).items():
@@ -471,14 +480,33 @@ class CheckpointManager:
         problem = self._verify(path)
         if problem:
             raise CheckpointError(f"checkpoint {path} {problem}")
+        states = self._states_to_load(path)
         try:
-            dcp.load(self.states, checkpoint_id=path, **self._dcp_kw)
+            dcp.load(states, checkpoint_id=path, **self._dcp_kw)
         except _ERRORS as e:
-            raise CheckpointError(f"failed to load checkpoint {path}: {e}") from e
+            raise CheckpointError(f"failed to load checkpoint {path}: {one_line(e)}") from e
         if self._train_state.step != step:
             raise CheckpointError(f"checkpoint {path} holds step {self._train_state.step}, not {step}")
         self._last_saved_step = step
         logger.info("loaded checkpoint %s", path)
+
+    def _states_to_load(self, path: str) -> dict[str, Any]:
+        """self.states with the RNG entry this rank reads: its own when the checkpoint was written by as many ranks
+        as there are now, else rank 0's (the layout changed). CheckpointError for a pre-global-data checkpoint."""
+        try:
+            keys = list(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        except _ERRORS as e:
+            raise CheckpointError(f"cannot read the metadata of checkpoint {path}: {one_line(e)}") from e
+        if not any(k.startswith(_DATALOADER + ".") for k in keys):
+            raise CheckpointError(
+                f"checkpoint {path} has no global data position (it keeps one per data-parallel rank: it was written "
+                "by an older version, whose data order cannot be continued); resume it with that version, or start "
+                "fresh with a new --job.dump_folder (checkpoint.initial_load_path can take its weights)")
+        saved_world = len({m.group(1) for k in keys if (m := _RNG_RE.match(k))})
+        states = dict(self.states)
+        if saved_world != self.world:
+            states[_rng_key(0)] = states.pop(_rng_key(self.rank))  # DCP loads by key
+        return states
 
     def _load_model_only(self, path: str) -> None:
         """Model weights from a DCP folder: ours (keys under "model."; verified if it has a manifest) or a bare

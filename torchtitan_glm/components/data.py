@@ -6,9 +6,16 @@ into rows of seq_len + 1 tokens (inputs row[:-1], labels row[1:]); each batch ca
 (`doc_ids`, `cu_seqlens`) so attention and the KDA state restart at document starts, and the label that would
 predict the next document's first token is -100.
 
-Sharding: text documents are dealt to data-parallel ranks from a per-epoch shuffle (seeded); `.bin` rows are dealt
-round-robin in file order (pre-tokenized data is assumed already shuffled). The loader is infinite (epochs repeat)
-and its state_dict/load_state_dict resume at the next unseen token.
+Layout-independent order: the data is one global sequence of rows, a function of (data, seed, seq_len) only --
+text documents in a seeded per-epoch permutation packed back to back into one token stream, `.bin` rows in file
+order -- and step s's global batch is rows [s*G, (s+1)*G), G = local_batch_size x data-parallel degree, each
+data-parallel rank taking its contiguous slice (tensor- and context-parallel ranks of one data-parallel rank get the
+same rows). Runs under different layouts with the same G therefore see the same batches, and the resumable state is
+one global position (rows consumed), so a run may resume under another layout. Finding row k of a text stream needs
+the token count of every earlier document: those counts are computed once when the loader is built, the documents
+split over the ranks (one all-gather), and during training a rank tokenises only the documents its own rows
+overlap. (Dealing documents to ranks instead would make the order depend on the data-parallel degree; counting on
+every rank at every step would tokenise the whole global batch on each of them.) The loader is infinite.
 
 Inputs are checked when the loader is built, before any training: every jsonl line is parsed, txt files are
 checked to be UTF-8 (data.errors), and `.bin` token ids are checked against the model's vocab_size (one
@@ -26,8 +33,10 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from torchtitan_glm.components.errors import DataError
+from torchtitan_glm.components.tokenizer import ByteTokenizer
 from torchtitan_glm.config import DataConfig
 
 __all__ = ["PackedDataLoader", "build_dataloader", "builtin_corpus_files"]
@@ -179,89 +188,117 @@ class _JsonlCorpus:
         return _jsonl_text(raw, path, lineno, self.text_key)
 
 
-# -------------------------------------------------------------------------------------------- row streams
-class _DocStream:
-    """This rank's packed rows from a text corpus: documents of a seeded per-epoch permutation, every
-    dp_world_size-th one, tokenized when reached. Position = (epoch, cursor into this rank's documents, token offset
-    into that document); that position is the whole resumable state."""
+# ------------------------------------------------------------------------------------------- global rows
+def _doc_tokens(corpus: Any, tokenizer: Any, i: int, add_eos: bool) -> np.ndarray:
+    ids = tokenizer.encode(corpus.read(i))
+    if add_eos:
+        ids = list(ids) + [tokenizer.eos_id]
+    return np.asarray(ids, dtype=np.int64)
 
-    def __init__(self, corpus: Any, tokenizer: Any, *, add_eos: bool, row_len: int, rank: int, world: int,
-                 seed: int) -> None:
-        if len(corpus) < world:
-            raise DataError(f"corpus {corpus.description} has {len(corpus)} documents; each of the {world} "
-                             "data-parallel ranks needs at least one (use more files, jsonl, or a .bin file)")
+
+def _doc_length(corpus: Any, tokenizer: Any, i: int, add_eos: bool) -> int:
+    """Tokens document i contributes; the byte tokenizer's count is the UTF-8 length, no id list built."""
+    text = corpus.read(i)
+    n = len(text.encode("utf-8")) if type(tokenizer) is ByteTokenizer else len(tokenizer.encode(text))
+    return n + int(add_eos)
+
+
+def _doc_lengths(corpus: Any, tokenizer: Any, add_eos: bool, group: Any) -> np.ndarray:
+    """Token count of every document, the work split over the ranks of `group` (every rank gets all counts).
+
+    A rank's read error is shared so that every rank raises the same DataError (none waits on a dead peer)."""
+    world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    rank = dist.get_rank(group) if world > 1 else 0
+    mine: Any
+    try:
+        mine = np.asarray([_doc_length(corpus, tokenizer, i, add_eos) for i in range(rank, len(corpus), world)],
+                          dtype=np.int64)
+    except DataError as e:
+        mine = str(e)
+    parts = [mine]
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, mine, group=group)
+    for part in parts:
+        if isinstance(part, str):
+            raise DataError(part)
+    lengths = np.empty(len(corpus), dtype=np.int64)
+    for r, part in enumerate(parts):
+        lengths[r::world] = part
+    return lengths
+
+
+class _TextRows:
+    """The global rows of a text corpus: each epoch's documents in a seeded permutation, concatenated into one
+    token stream (eos after each document with add_eos) that repeats every epoch; row k is tokens
+    [k * row_len, (k + 1) * row_len) of that stream, a function of (corpus, tokenizer, seed, row_len) only.
+
+    The token count of every document is computed once, when the loader is built (split over the ranks), so any
+    row is found by a binary search; during training a rank tokenises only the documents its own rows overlap."""
+
+    _KEEP_DOCS = 8  # recently tokenised documents kept (a rank's consecutive rows share documents)
+
+    def __init__(self, corpus: Any, tokenizer: Any, *, add_eos: bool, row_len: int, seed: int,
+                 lengths: np.ndarray) -> None:
         self.corpus, self.tokenizer, self.add_eos = corpus, tokenizer, add_eos
-        self.row_len, self.rank, self.world, self.seed = row_len, rank, world, seed
-        self.epoch, self.cursor, self.offset = 0, 0, 0
-        self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
-        self._doc: np.ndarray | None = None
-        self._row_docs: list[int] = []
+        self.row_len, self.seed, self.lengths = row_len, seed, lengths
+        self.description = corpus.description
+        self.epoch_tokens = int(lengths.sum())
+        if self.epoch_tokens == 0:
+            raise DataError(f"corpus {corpus.description} yields no tokens")
+        self._orders: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # epoch -> (document order, cumulative ends)
+        self._docs: dict[int, np.ndarray] = {}
 
-    def row_documents(self) -> list[str]:
-        """The documents the last row came from (file, or file:line)."""
-        return [self.corpus.name(i) for i in self._row_docs]
+    def identity(self) -> dict[str, int]:
+        return {"documents": len(self.corpus), "tokens_per_epoch": self.epoch_tokens}
 
-    def _docs(self) -> np.ndarray:
-        if self._order_epoch != self.epoch:
-            perm = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.corpus))
-            self._order, self._order_epoch = perm[self.rank :: self.world], self.epoch
-        return self._order
+    def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        if epoch not in self._orders:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.corpus))
+            self._orders = {e: v for e, v in self._orders.items() if e == epoch - 1}  # rows may span two epochs
+            self._orders[epoch] = (perm, np.cumsum(self.lengths[perm]))
+        return self._orders[epoch]
 
-    def _load_doc(self) -> np.ndarray:
-        ids = self.tokenizer.encode(self.corpus.read(int(self._docs()[self.cursor])))
-        if self.add_eos:
-            ids = list(ids) + [self.tokenizer.eos_id]
-        return np.asarray(ids, dtype=np.int64)
+    def _tokens(self, i: int) -> np.ndarray:
+        if i not in self._docs:
+            ids = _doc_tokens(self.corpus, self.tokenizer, i, self.add_eos)
+            if len(ids) != self.lengths[i]:
+                raise DataError(f"document {self.corpus.name(i)} now has {len(ids)} tokens, {int(self.lengths[i])} "
+                                "when the run started: did it change during the run?")
+            if len(self._docs) >= self._KEEP_DOCS:
+                self._docs.pop(next(iter(self._docs)))
+            self._docs[i] = ids
+        return self._docs[i]
 
-    def _advance_doc(self) -> None:
-        self._doc, self.offset, self.cursor = None, 0, self.cursor + 1
-        if self.cursor == len(self._docs()):
-            self.epoch, self.cursor = self.epoch + 1, 0
-
-    def next_row(self) -> tuple[np.ndarray, np.ndarray]:
+    def row(self, k: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """Row k: its tokens, which positions start a document, and the documents it came from."""
         tokens = np.empty(self.row_len, dtype=np.int64)
         starts = np.zeros(self.row_len, dtype=bool)
-        filled, empty_run = 0, 0
-        self._row_docs = []
+        names: list[str] = []
+        pos, filled = k * self.row_len, 0
         while filled < self.row_len:
-            if self._doc is None:
-                self._doc = self._load_doc()
-            if self.offset >= len(self._doc):  # an empty document (no text, no eos)
-                empty_run += 1
-                if empty_run > len(self._docs()):
-                    raise DataError(f"corpus {self.corpus.description} yields no tokens")
-                self._advance_doc()
-                continue
-            empty_run = 0
-            self._row_docs.append(int(self._docs()[self.cursor]))
-            take = min(len(self._doc) - self.offset, self.row_len - filled)
-            tokens[filled : filled + take] = self._doc[self.offset : self.offset + take]
-            starts[filled] = self.offset == 0
+            epoch, offset = divmod(pos, self.epoch_tokens)
+            perm, ends = self._order(epoch)
+            j = int(np.searchsorted(ends, offset, side="right"))  # empty documents are never picked
+            doc = int(perm[j])
+            within = offset - (int(ends[j]) - int(self.lengths[doc]))
+            take = min(int(self.lengths[doc]) - within, self.row_len - filled)
+            tokens[filled:filled + take] = self._tokens(doc)[within:within + take]
+            starts[filled] = within == 0
+            names.append(self.corpus.name(doc))
             filled += take
-            self.offset += take
-            if self.offset == len(self._doc):
-                self._advance_doc()
-        return tokens, starts
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "cursor": self.cursor, "offset": self.offset, "num_docs": len(self.corpus),
-                "row_len": self.row_len, "world_size": self.world, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        _check_same(state, {"num_docs": len(self.corpus), "row_len": self.row_len, "world_size": self.world,
-                            "seed": self.seed}, self.corpus.description)
-        self.epoch, self.cursor, self.offset = int(state["epoch"]), int(state["cursor"]), int(state["offset"])
-        self._doc = None
+            pos += take
+        return tokens, starts, names
 
 
-class _BinStream:
-    """This rank's rows from pre-tokenized token files: file f contributes len_f // row_len whole rows (rows never
-    span files), global row g goes to rank g % world. Position = (epoch, index into this rank's rows).
+class _BinRows:
+    """The global rows of pre-tokenized token files, in file order: file f contributes len_f // row_len whole rows
+    (rows never span files) and row k is row k mod (all rows): no shuffle, pre-tokenized data is assumed shuffled.
     With vocab_size, every token id is checked to be below it up front (one memory-mapped pass per file)."""
 
-    def __init__(self, files: list[str], *, dtype: str, eos_id: int, row_len: int, rank: int, world: int,
+    def __init__(self, files: list[str], *, dtype: str, eos_id: int, row_len: int,
                  vocab_size: int | None = None) -> None:
-        self.files, self.eos_id, self.row_len, self.rank, self.world = files, eos_id, row_len, rank, world
+        self.files, self.eos_id, self.row_len = files, eos_id, row_len
         self.description = ", ".join(files)
         itemsize = np.dtype(dtype).itemsize
         self._arrays = []
@@ -276,40 +313,23 @@ class _BinStream:
         rows = np.asarray([len(a) // row_len for a in self._arrays], dtype=np.int64)
         self._first_row = np.concatenate([[0], np.cumsum(rows)])
         self.num_rows = int(self._first_row[-1])
-        self.rows_per_rank = self.num_rows // world
-        if self.rows_per_rank == 0:
-            raise DataError(f"token file(s) {self.description} hold {self.num_rows} rows of {row_len} tokens; "
-                             f"need at least {world} (one per data-parallel rank)")
-        self.epoch, self.index = 0, 0
-        self._row: tuple[int, int] = (0, 0)
+        if self.num_rows == 0:
+            raise DataError(f"token file(s) {self.description} hold no whole row of {row_len} tokens "
+                             "(training.seq_len + 1)")
 
-    def row_documents(self) -> list[str]:
-        """Where the last row came from: file, row index and token range."""
-        f, local = self._row
-        return [f"{self.files[f]} row {local} (tokens {local * self.row_len}..{(local + 1) * self.row_len - 1})"]
+    def identity(self) -> dict[str, int]:
+        return {"rows_per_epoch": self.num_rows}
 
-    def next_row(self) -> tuple[np.ndarray, np.ndarray]:
-        g = self.index * self.world + self.rank
+    def row(self, k: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        g = k % self.num_rows
         f = int(np.searchsorted(self._first_row, g, side="right")) - 1
         local = g - int(self._first_row[f])
-        self._row = (f, local)
         tokens = np.asarray(self._arrays[f][local * self.row_len : (local + 1) * self.row_len], dtype=np.int64)
         starts = np.empty(self.row_len, dtype=bool)
         starts[0] = True
         starts[1:] = tokens[:-1] == self.eos_id
-        self.index += 1
-        if self.index == self.rows_per_rank:
-            self.epoch, self.index = self.epoch + 1, 0
-        return tokens, starts
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index, "num_rows": self.num_rows, "row_len": self.row_len,
-                "world_size": self.world}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        _check_same(state, {"num_rows": self.num_rows, "row_len": self.row_len, "world_size": self.world},
-                    self.description)
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        name = f"{self.files[f]} row {local} (tokens {local * self.row_len}..{(local + 1) * self.row_len - 1})"
+        return tokens, starts, [name]
 
 
 def _check_token_ids(path: str, tokens: np.ndarray, vocab_size: int, dtype: str) -> None:
@@ -322,14 +342,6 @@ def _check_token_ids(path: str, tokens: np.ndarray, vocab_size: int, dtype: str)
             raise DataError(f"token file {path} holds token id {int(tokens[pos])} at position {pos}, but the model's "
                             f"vocab_size is {vocab_size}: was it tokenized with another tokenizer, or is "
                             f"data.bin_dtype ({dtype}) wrong?")
-
-
-def _check_same(state: dict[str, Any], expected: dict[str, int], description: str) -> None:
-    for key, value in expected.items():
-        if key not in state or int(state[key]) != value:
-            raise DataError(f"dataloader state does not match this run's data ({description}): {key} was "
-                             f"{state.get(key)!r}, is {value}; exact resume needs the same data, seq_len, "
-                             "seed and data-parallel size")
 
 
 # ---------------------------------------------------------------------------------------------- batching
@@ -358,48 +370,71 @@ def pack_batch(tokens: np.ndarray, starts: np.ndarray) -> dict[str, torch.Tensor
 class PackedDataLoader:
     """Infinite iterator of packed batches for one data-parallel rank; Stateful (state_dict/load_state_dict).
 
-    The state is keyed by `dp_rank_{rank}` so a DCP checkpoint holds every rank's position without collisions.
+    Step s's global batch is rows [s * G, (s + 1) * G) of the global row sequence, G = local_batch_size x
+    dp_world_size; this rank takes the contiguous slice dp_rank * local_batch_size + [0, local_batch_size). The
+    state is one global position (rows consumed), the same on every rank and independent of the layout: a run may
+    resume under another data-parallel degree, or another global batch size, and read the same rows next.
     """
 
-    def __init__(self, stream: _DocStream | _BinStream, *, local_batch_size: int, dp_rank: int) -> None:
+    def __init__(self, stream: _TextRows | _BinRows, *, local_batch_size: int, dp_rank: int, dp_world_size: int,
+                 seed: int) -> None:
         self.stream, self.local_batch_size, self.dp_rank = stream, local_batch_size, dp_rank
-        self._key = f"dp_rank_{dp_rank}"
+        self.global_batch_rows = local_batch_size * dp_world_size
+        self.seed = seed
+        self.position = 0  # global rows consumed: the next global batch starts at this row
         self.last_documents: list[str] = []  # where the last batch came from (named when its loss is not finite)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        rows, docs = [], []
-        for _ in range(self.local_batch_size):
-            rows.append(self.stream.next_row())
-            docs += self.stream.row_documents()
-        self.last_documents = list(dict.fromkeys(docs))
+        first = self.position + self.dp_rank * self.local_batch_size
+        rows = [self.stream.row(k) for k in range(first, first + self.local_batch_size)]
+        self.position += self.global_batch_rows
+        self.last_documents = list(dict.fromkeys(name for r in rows for name in r[2]))
         return pack_batch(np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]))
 
     def state_dict(self) -> dict[str, Any]:
-        return {self._key: self.stream.state_dict()}
+        return {"position": self.position, "global_batch_rows": self.global_batch_rows,
+                "row_len": self.stream.row_len, "seed": self.seed, "data": self.stream.identity()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self._key not in state_dict:
-            raise DataError(f"dataloader state has no entry {self._key!r} (keys: {sorted(state_dict)}); "
-                             "was it saved with a different data-parallel size?")
-        self.stream.load_state_dict(state_dict[self._key])
+        if "position" not in state_dict:
+            raise DataError(f"dataloader state without a global position (keys: {sorted(state_dict)}): it was saved "
+                             "per data-parallel rank by an older version, whose order cannot be continued; resume "
+                             "with that version or start fresh with a new --job.dump_folder")
+        where = self.stream.description
+        if state_dict["row_len"] != self.stream.row_len:
+            raise DataError(f"cannot continue the data of the checkpoint: training.seq_len was "
+                             f"{state_dict['row_len'] - 1}, is {self.stream.row_len - 1} (rows are seq_len + 1 "
+                             "tokens); set it back")
+        if state_dict["seed"] != self.seed:
+            raise DataError(f"cannot continue the data of the checkpoint: job.seed was {state_dict['seed']}, is "
+                             f"{self.seed} (it orders the documents); set it back")
+        if state_dict["data"] != self.stream.identity():
+            was, now = state_dict["data"], self.stream.identity()
+            diff = "; ".join(f"{k} was {was.get(k)}, is {now.get(k)}" for k in sorted({**was, **now})
+                             if was.get(k) != now.get(k))
+            raise DataError(f"cannot continue the data of the checkpoint: the data ({where}) differs from the "
+                             f"checkpoint's ({diff}); set data.source / data.paths / data.tokenizer / data.add_eos "
+                             "back, or start fresh with a new --job.dump_folder")
+        self.position = int(state_dict["position"])
 
 
 def build_dataloader(*, cfg: DataConfig, tokenizer: Any, seq_len: int, local_batch_size: int, dp_rank: int,
-                     dp_world_size: int, seed: int, vocab_size: int | None = None) -> PackedDataLoader:
-    """The packed loader for `cfg.source`, sharded for (dp_rank, dp_world_size) and shuffled by `seed`; the data
-    is checked here (module docstring), `.bin` token ids against `vocab_size` when given."""
+                     dp_world_size: int, seed: int, vocab_size: int | None = None,
+                     group: Any = None) -> PackedDataLoader:
+    """The packed loader for `cfg.source`: this data-parallel rank's slice of each global batch, documents ordered
+    by `seed`; the data is checked here (module docstring), `.bin` token ids against `vocab_size` when given. The
+    ranks of `group` (a process group, e.g. the world) share the one-off counting of document tokens."""
     if seq_len < 1 or local_batch_size < 1:
         raise ValueError(f"seq_len ({seq_len}) and local_batch_size ({local_batch_size}) must be >= 1")
     if not 0 <= dp_rank < dp_world_size:
         raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_world_size={dp_world_size})")
     row_len = seq_len + 1
-    shard = dict(row_len=row_len, rank=dp_rank, world=dp_world_size)
     if cfg.source == "bin":
-        stream: _DocStream | _BinStream = _BinStream(_expand(cfg.paths, ".bin"), dtype=cfg.bin_dtype,
-                                                     eos_id=tokenizer.eos_id, vocab_size=vocab_size, **shard)
+        stream: _TextRows | _BinRows = _BinRows(_expand(cfg.paths, ".bin"), dtype=cfg.bin_dtype, row_len=row_len,
+                                                eos_id=tokenizer.eos_id, vocab_size=vocab_size)
     else:
         if cfg.source == "builtin":
             files = builtin_corpus_files()
@@ -413,5 +448,7 @@ def build_dataloader(*, cfg: DataConfig, tokenizer: Any, seq_len: int, local_bat
             raise ValueError(f"unknown data.source {cfg.source!r}")
         if len(corpus) == 0:
             raise DataError(f"corpus {corpus.description} is empty (no documents)")
-        stream = _DocStream(corpus, tokenizer, add_eos=cfg.add_eos, seed=seed, **shard)
-    return PackedDataLoader(stream, local_batch_size=local_batch_size, dp_rank=dp_rank)
+        stream = _TextRows(corpus, tokenizer, add_eos=cfg.add_eos, row_len=row_len, seed=seed,
+                           lengths=_doc_lengths(corpus, tokenizer, cfg.add_eos, group))
+    return PackedDataLoader(stream, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                            seed=seed)

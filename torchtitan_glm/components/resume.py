@@ -9,17 +9,20 @@ from typing import Any
 
 from torchtitan_glm.components.lr_scheduler import lr_factor
 
-__all__ = ["run_info", "resume_mismatches", "schedule_note"]
+__all__ = ["run_info", "resume_mismatches", "schedule_note", "layout_note"]
 
 # Model arguments that follow other settings and may change between stages without changing any parameter.
 _FREE_ARGS = ("dsa_attention",)
 
 
-def run_info(*, cfg: Any, args: Any, tokenizer_vocab_size: int) -> dict[str, Any]:
-    """The facts about this run saved with its checkpoints (JSON): the whole config and the model arguments."""
+def run_info(*, cfg: Any, args: Any, tokenizer_vocab_size: int, layout: str | None = None,
+             global_batch_rows: int | None = None) -> dict[str, Any]:
+    """The facts about this run saved with its checkpoints (JSON): the whole config, the model arguments, the
+    parallel layout (ParallelDims.describe) and the global batch in rows."""
     model_args = {k: v for k, v in dataclasses.asdict(args).items() if k not in _FREE_ARGS}
     return json.loads(json.dumps({"config": cfg.to_dict(), "model_args": model_args,
-                                  "tokenizer_vocab_size": tokenizer_vocab_size}, default=str))
+                                  "tokenizer_vocab_size": tokenizer_vocab_size, "layout": layout,
+                                  "global_batch_rows": global_batch_rows}, default=str))
 
 
 def _exact_keys(info: dict[str, Any]) -> dict[str, Any]:
@@ -69,4 +72,22 @@ def schedule_note(saved: dict[str, Any], current: dict[str, Any], step: int) -> 
     if new_cfg["optimizer"]["lr"] != peak:
         note.append(f"optimizer.lr is {new_cfg['optimizer']['lr']!r} but a resumed run keeps the checkpoint's peak lr "
                     f"{peak!r}")
+    return "; ".join(note) or None
+
+
+def layout_note(saved: dict[str, Any], current: dict[str, Any], *, next_row: int) -> str | None:
+    """One sentence on a resume under another parallel layout or global batch (None: neither changed).
+
+    Model and optimizer state are resharded by DCP and the data continues at the saved global row, so a changed
+    layout with the same global batch computes the uninterrupted run's losses (to reduction-order round-off)."""
+    old_layout, new_layout = saved.get("layout"), current.get("layout")
+    old_rows, new_rows = saved.get("global_batch_rows"), current.get("global_batch_rows")
+    note = []
+    if old_layout and new_layout and old_layout != new_layout:
+        note.append(f"the parallel layout changed since the checkpoint ({old_layout} -> {new_layout}): its model and "
+                    f"optimizer state are resharded onto this one and the data continues at global row {next_row}")
+    if old_rows and new_rows and old_rows != new_rows:
+        note.append(f"the global batch changed from {old_rows} to {new_rows} rows (training.local_batch_size x the "
+                    f"data-parallel degree): the data continues at global row {next_row}, in batches of {new_rows}; "
+                    f"set training.local_batch_size so that the product is {old_rows} to continue the same batches")
     return "; ".join(note) or None

@@ -69,8 +69,8 @@ def indexer_kl_sparse_tiled(
     offset = (torch.arange(bsz, device=q.device) * num_slots).view(bsz, 1, 1)
     gp = torch.where(pool_ids >= 0, pool_ids + offset, -1).view(n_all, k)
     # The latent [T, R] is cast once; the queries [T, H, R] (H times larger) per tile.
-    aq, akv = attn_q.reshape(n_all, *attn_q.shape[2:]), attn_kv.reshape(n_all, -1).to(ct)
-    gi = _flat_indices(indices)
+    aq, akv = attn_q.reshape(n_all, *attn_q.shape[2:]), attn_kv.reshape(-1, attn_kv.shape[-1]).to(ct)
+    gi = _flat_indices(indices, attn_kv.shape[1])
     kl_sum, rows = torch.zeros((), dtype=ct, device=q.device), torch.zeros((), dtype=ct, device=q.device)
     dq, dw, dpk = (torch.zeros_like(qf), torch.zeros_like(wf), torch.zeros_like(pkf)) if need_grad else (None,) * 3
     for s in range(0, n_all if k else 0, tile):  # k = 0 (fewer than kpool tokens): no pool, no counted query
@@ -103,10 +103,11 @@ def indexer_kl_sparse_tiled(
 
 def indexer_kl_dense_tiled(
     q: Tensor, w: Tensor, pk: Tensor, pool_start: Tensor, pool_last: Tensor, pool_key: Tensor, doc_key: Tensor,
-    attn_q: Tensor, attn_kv: Tensor, *, scale: float, kpool: int, tile: int, need_grad: bool,
+    attn_q: Tensor, attn_kv: Tensor, *, scale: float, kpool: int, tile: int, need_grad: bool, q_start: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Dense KL (module docstring) over every candidate pool (ops/indexer_topk.py's rule); pool_start [B, P] is each
-    slot's first token. Work per tile: queries t0..t1 against keys < t1 and slots < t1 // kpool."""
+    slot's first token. Work per tile: queries t0..t1 against keys < t1 and slots < t1 // kpool. doc_key and
+    attn_kv cover the whole row; query i sits at position q_start + i (context parallelism: a rank's chunk)."""
     bsz, seqlen, _, dim_i = q.shape
     num_slots = pk.shape[1]
     ct = torch.promote_types(q.dtype, torch.float32)
@@ -115,16 +116,17 @@ def indexer_kl_dense_tiled(
     kl_sum, rows = torch.zeros((), dtype=ct, device=q.device), torch.zeros((), dtype=ct, device=q.device)
     dq, dw, dpk = (torch.zeros_like(qc), torch.zeros_like(wc), torch.zeros_like(pkc)) if need_grad else (None,) * 3
     slot_tokens = pool_start.unsqueeze(-1) + torch.arange(kpool, device=q.device)  # [B, P, kpool]
-    for b, t0, t1, width in query_tiles(bsz, seqlen, num_slots, tile=tile, kpool=kpool):
+    for b, t0, t1, width in query_tiles(bsz, seqlen, num_slots, tile=tile, kpool=kpool, offset=q_start):
+        p0, p1 = q_start + t0, q_start + t1  # the tile's row positions
         scores, r = index_scores(qc[b, t0:t1], wc[b, t0:t1], pkc[b, :width])
-        support = visible(pool_last[b, :width], pool_key[b, :width], doc_key[b, t0:t1], t0)
+        support = visible(pool_last[b, :width], pool_key[b, :width], doc_key[b, p0:p1], p0)
         with torch.no_grad():
-            t = torch.arange(t0, t1, device=q.device)
-            allowed = (torch.arange(t1, device=q.device)[None, :] <= t[:, None]) & (
-                doc_key[b, None, :t1] == doc_key[b, t0:t1, None])
-            logits = torch.matmul(attn_q[b, t0:t1].to(ct), akv[b, :t1].t()) * scale  # [n, H, t1]
-            probs = logits.masked_fill(~allowed[:, None], float("-inf")).softmax(-1).sum(1)  # [n, t1]
-            tokens = slot_tokens[b, :width].clamp(max=t1 - 1).flatten()  # slots ending past t1 are not visible
+            t = torch.arange(p0, p1, device=q.device)
+            allowed = (torch.arange(p1, device=q.device)[None, :] <= t[:, None]) & (
+                doc_key[b, None, :p1] == doc_key[b, p0:p1, None])
+            logits = torch.matmul(attn_q[b, t0:t1].to(ct), akv[b, :p1].t()) * scale  # [n, H, p1]
+            probs = logits.masked_fill(~allowed[:, None], float("-inf")).softmax(-1).sum(1)  # [n, p1]
+            tokens = slot_tokens[b, :width].clamp(max=p1 - 1).flatten()  # slots ending past p1 are not visible
             mass = probs[:, tokens].view(-1, width, kpool).sum(-1) * support
         kl, n_rows, dscores = _kl_tile(scores, support, mass, need_grad)
         kl_sum, rows = kl_sum + kl, rows + n_rows
@@ -157,12 +159,12 @@ def indexer_kl_sparse(
 @torch.library.custom_op("torchtitan_glm::indexer_kl_dense", mutates_args=())
 def indexer_kl_dense(
     q: Tensor, w: Tensor, pk: Tensor, pool_start: Tensor, pool_last: Tensor, pool_key: Tensor, doc_key: Tensor,
-    attn_q: Tensor, attn_kv: Tensor, scale: float, kpool: int, tile: int, need_grad: bool,
+    attn_q: Tensor, attn_kv: Tensor, scale: float, kpool: int, tile: int, need_grad: bool, q_start: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(kl_sum, rows, dq, dw, dpk) over every candidate pool (module docstring)."""
     with torch.no_grad():
         return indexer_kl_dense_tiled(q, w, pk, pool_start, pool_last, pool_key, doc_key, attn_q, attn_kv,
-                                      scale=scale, kpool=kpool, tile=tile, need_grad=need_grad)
+                                      scale=scale, kpool=kpool, tile=tile, need_grad=need_grad, q_start=q_start)
 
 
 def _fake(q: Tensor, w: Tensor, pk: Tensor, need_grad: bool):
@@ -180,7 +182,7 @@ def _indexer_kl_sparse_fake(q, w, pk, pool_ids, attn_q, attn_kv, indices, scale,
 
 @indexer_kl_dense.register_fake
 def _indexer_kl_dense_fake(q, w, pk, pool_start, pool_last, pool_key, doc_key, attn_q, attn_kv, scale, kpool, tile,
-                           need_grad):
+                           need_grad, q_start=0):
     return _fake(q, w, pk, need_grad)
 
 
@@ -189,7 +191,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(rows, dq, dw, dpk)
     ctx.save_for_backward(dq, dw, dpk)
     ctx.num_inputs = len(inputs)
-    ctx.need_grad = inputs[-1]
+    ctx.need_grad = dq.numel() > 0 or inputs[0].numel() == 0  # need_grad=False returns empty gradients
 
 
 def _backward(ctx, dkl, *_):

@@ -26,13 +26,13 @@ def tile_rows(width: int, budget: int) -> int:
     return max(1, budget // max(1, width))
 
 
-def query_tiles(bsz: int, seqlen: int, num_slots: int, *, tile: int, kpool: int):
+def query_tiles(bsz: int, seqlen: int, num_slots: int, *, tile: int, kpool: int, offset: int = 0):
     """(row b, first query t0, end t1, slots W) of each query tile that can see a pool: queries below t1 only ever
-    see slots < t1 // kpool (module docstring)."""
+    see slots < t1 // kpool (module docstring). Query i sits at row position offset + i."""
     for b in range(bsz):
         for t0 in range(0, seqlen, tile):
             t1 = min(t0 + tile, seqlen)
-            width = min(num_slots, t1 // kpool)
+            width = min(num_slots, (offset + t1) // kpool)
             if width > 0:
                 yield b, t0, t1, width
 
@@ -68,17 +68,19 @@ def _stable_topk(scores: Tensor, valid: Tensor, k: int) -> Tensor:
 
 def kpool_topk_tiled(
     q: Tensor, w: Tensor, pk: Tensor, pool_last: Tensor, pool_key: Tensor, doc_key: Tensor, *,
-    k: int, kpool: int, tile: int,
+    k: int, kpool: int, tile: int, q_start: int = 0,
 ) -> Tensor:
-    """Selected pool slots [B, T, k] int64 (see module docstring); q [B, T, H, d], w [B, T, H], pk [B, P, d]."""
+    """Selected pool slots [B, T, k] int64 (see module docstring); q [B, T, H, d], w [B, T, H], pk [B, P, d];
+    doc_key [B, S] covers the whole row, query i sits at position q_start + i (context parallelism: a rank's chunk)."""
     bsz, seqlen = q.shape[:2]
     num_slots = pk.shape[1]
     out = torch.full((bsz, seqlen, k), -1, dtype=torch.long, device=q.device)
     if k == 0:
         return out
-    for b, t0, t1, width in query_tiles(bsz, seqlen, num_slots, tile=tile, kpool=kpool):
+    for b, t0, t1, width in query_tiles(bsz, seqlen, num_slots, tile=tile, kpool=kpool, offset=q_start):
         scores, _ = index_scores(q[b, t0:t1], w[b, t0:t1], pk[b, :width])
-        valid = visible(pool_last[b, :width], pool_key[b, :width], doc_key[b, t0:t1], t0)
+        valid = visible(pool_last[b, :width], pool_key[b, :width], doc_key[b, q_start + t0:q_start + t1],
+                        q_start + t0)
         top = _stable_topk(scores, valid, k)
         out[b, t0:t1, : top.shape[-1]] = top
     return out
@@ -87,13 +89,13 @@ def kpool_topk_tiled(
 @torch.library.custom_op("torchtitan_glm::kpool_topk", mutates_args=())
 def kpool_topk(
     q: Tensor, w: Tensor, pk: Tensor, pool_last: Tensor, pool_key: Tensor, doc_key: Tensor, k: int, kpool: int,
-    tile: int,
+    tile: int, q_start: int = 0,
 ) -> Tensor:
     """Tiled top-k pool selection (module docstring); the same torch code on every device. No gradient."""
     with torch.no_grad():
-        return kpool_topk_tiled(q, w, pk, pool_last, pool_key, doc_key, k=k, kpool=kpool, tile=tile)
+        return kpool_topk_tiled(q, w, pk, pool_last, pool_key, doc_key, k=k, kpool=kpool, tile=tile, q_start=q_start)
 
 
 @kpool_topk.register_fake
-def _kpool_topk_fake(q, w, pk, pool_last, pool_key, doc_key, k, kpool, tile):
+def _kpool_topk_fake(q, w, pk, pool_last, pool_key, doc_key, k, kpool, tile, q_start=0):
     return q.new_empty(q.shape[0], q.shape[1], k, dtype=torch.long)

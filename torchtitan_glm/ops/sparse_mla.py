@@ -33,10 +33,11 @@ def _tile_rows(k: int, d: int, h: int) -> int:
     return max(1, _TILE_ELEMENTS // max(1, k * (d + h)))
 
 
-def _flat_indices(indices: Tensor) -> Tensor:
-    """[B, T, K] row positions -> [B*T, K] int64 rows of the flattened [B*T, D] kv; -1 stays -1."""
+def _flat_indices(indices: Tensor, kv_len: int) -> Tensor:
+    """[B, T, K] row positions -> [B*T, K] int64 rows of the flattened [B*kv_len, D] kv; -1 stays -1. The keys may
+    be more than the queries (context parallelism: this rank's queries against the whole row's latent)."""
     bsz, seqlen, k = indices.shape
-    offset = (torch.arange(bsz, device=indices.device) * seqlen).view(bsz, 1, 1)
+    offset = (torch.arange(bsz, device=indices.device) * kv_len).view(bsz, 1, 1)
     idx = indices.long()
     return torch.where(idx >= 0, idx + offset, -1).view(bsz * seqlen, k)
 
@@ -54,7 +55,7 @@ def sparse_mla_reference(q: Tensor, kv: Tensor, indices: Tensor, *, scale: float
     bsz, seqlen, heads, dim = q.shape
     k = indices.shape[-1]
     ct = _compute_dtype(q)
-    qf, kvf, gi = q.reshape(bsz * seqlen, heads, dim), kv.reshape(bsz * seqlen, dim), _flat_indices(indices)
+    qf, kvf, gi = q.reshape(bsz * seqlen, heads, dim), kv.reshape(-1, dim), _flat_indices(indices, kv.shape[1])
     out = q.new_zeros(bsz * seqlen, heads, dim)
     lse = torch.full((bsz * seqlen, heads), float("-inf"), dtype=ct, device=q.device)
     rows = _tile_rows(k, dim, heads)
@@ -82,10 +83,10 @@ def sparse_mla_reference_bwd(
     k = indices.shape[-1]
     ct = _compute_dtype(q)
     n_all = bsz * seqlen
-    qf, kvf, gi = q.reshape(n_all, heads, dim), kv.reshape(n_all, dim), _flat_indices(indices)
+    qf, kvf, gi = q.reshape(n_all, heads, dim), kv.reshape(-1, dim), _flat_indices(indices, kv.shape[1])
     dof, of, lsef = dout.reshape(n_all, heads, dim), out.reshape(n_all, heads, dim), lse.reshape(n_all, heads)
     dq = torch.zeros(n_all, heads, dim, dtype=ct, device=q.device)
-    dkv = torch.zeros(n_all, dim, dtype=ct, device=q.device)
+    dkv = torch.zeros(kvf.shape[0], dim, dtype=ct, device=q.device)
     rows = _tile_rows(k, dim, heads)
     for s in range(0, n_all if k else 0, rows):
         e = min(s + rows, n_all)
@@ -110,9 +111,9 @@ def _rows(x: Tensor) -> Tensor:
 
 def _check(q: Tensor, kv: Tensor, indices: Tensor) -> None:
     if q.ndim != 4 or kv.ndim != 3 or indices.ndim != 3:
-        raise ValueError(f"sparse_mla: q must be [B, T, H, D], kv [B, T, D], indices [B, T, K]; got q "
+        raise ValueError(f"sparse_mla: q must be [B, T, H, D], kv [B, S, D], indices [B, T, K]; got q "
                          f"{tuple(q.shape)}, kv {tuple(kv.shape)}, indices {tuple(indices.shape)}")
-    if kv.shape[:2] != q.shape[:2] or kv.shape[-1] != q.shape[-1] or indices.shape[:2] != q.shape[:2]:
+    if kv.shape[0] != q.shape[0] or kv.shape[-1] != q.shape[-1] or indices.shape[:2] != q.shape[:2]:
         raise ValueError(f"sparse_mla: shapes disagree: q {tuple(q.shape)}, kv {tuple(kv.shape)}, "
                          f"indices {tuple(indices.shape)}")
     if indices.dtype not in (torch.int32, torch.int64):

@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from .args import DSA, Glm5ModelArgs
-from .dsa import DocLayout, IndexerStats, SparseMLA
+from .batch import BatchLayout
+from .cache import KDACache, MLACache
+from .dsa import IndexerStats, SparseMLA
 from .kda import KimiDeltaAttention
 from .layers import DenseMLP, RMSNorm
 from .mhc import HyperConnection
 from .moe import MoE, MoEStats
+
+
+class LayerOutput(NamedTuple):
+    """A decoder layer's results: the new streams, the DSA token indices it used (for a following 'shared' layer),
+    its indexer KL and its MoE routing statistics (None where the layer has none)."""
+
+    streams: torch.Tensor
+    indices: torch.Tensor | None
+    indexer_stats: IndexerStats | None
+    moe_stats: MoEStats | None
 
 
 class DecoderLayer(nn.Module):
@@ -37,22 +52,22 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(args.hidden_size, args.intermediate_size, swiglu_limit=args.swiglu_limit)
         self.init_std = args.initializer_range
 
-    def forward(
-        self,
-        streams: torch.Tensor,
-        doc: DocLayout,
-        doc_ids: torch.Tensor | None = None,
-        shared_indices: torch.Tensor | None = None,
-        indexer_kl: str | None = None,
-        seq_aux: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, IndexerStats | None, MoEStats | None]:
+    def forward(self, streams: torch.Tensor, batch: BatchLayout,
+                shared_indices: torch.Tensor | None = None) -> LayerOutput:
+        """streams [B, T, n, D]; shared_indices: the previous DSA layer's selection, for an indexer_types 'shared'
+        layer."""
+
+        def attend(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, IndexerStats | None]:
+            if self.is_dsa:
+                return self.self_attn(h, batch, shared_indices)
+            return self.self_attn(h, batch), None, None
+
+        return self._sites(streams, attend, seq_aux=batch.seq_aux)
+
+    def _sites(self, streams: torch.Tensor, attend: Callable, *, seq_aux: bool) -> LayerOutput:
+        """The layer around its token mixer: attend(h) -> (output, indices, indexer stats) at the attention site."""
         post, comb, h = self.attn_hc(streams)
-        h = self.input_layernorm(h)
-        indices, stats = None, None
-        if self.is_dsa:
-            h, indices, stats = self.self_attn(h, doc=doc, shared_indices=shared_indices, indexer_kl=indexer_kl)
-        else:
-            h = self.self_attn(h, doc_ids=doc_ids, pos_in_doc=None if doc_ids is None else doc.pos)
+        h, indices, stats = attend(self.input_layernorm(h))
         streams = self.attn_hc.merge(streams, h, post, comb)
 
         post, comb, h = self.ffn_hc(streams)
@@ -63,7 +78,34 @@ class DecoderLayer(nn.Module):
         else:
             h = self.mlp(h)
         streams = self.ffn_hc.merge(streams, h, post, comb)
-        return streams, indices, stats, moe_stats
+        return LayerOutput(streams, indices, stats, moe_stats)
+
+    # ------------------------------------------------------------------ decode (models/glm5/decode.py)
+    def prefill(self, streams: torch.Tensor, batch: BatchLayout, shared_indices: torch.Tensor | None = None, *,
+                capacity: int) -> tuple[LayerOutput, KDACache | MLACache]:
+        """forward() over rows that each end with a prompt, and this layer's decode cache after them."""
+        caches = []
+
+        def attend(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+            if self.is_dsa:
+                out, indices, cache = self.self_attn.prefill(h, batch, shared_indices, capacity=capacity)
+            else:
+                (out, cache), indices = self.self_attn.prefill(h, batch), None
+            caches.append(cache)
+            return out, indices, None
+
+        return self._sites(streams, attend, seq_aux=False), caches[0]
+
+    def decode(self, streams: torch.Tensor, cache: KDACache | MLACache, pos: torch.Tensor,
+               shared_indices: torch.Tensor | None = None) -> LayerOutput:
+        """One token per row (streams [B, 1, n, D]) at prompt positions pos [B], advancing `cache`."""
+
+        def attend(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+            if self.is_dsa:
+                return (*self.self_attn.decode(h, cache, pos, shared_indices), None)
+            return self.self_attn.decode(h, cache, pos), None, None
+
+        return self._sites(streams, attend, seq_aux=False)
 
     def init_weights(self) -> None:
         self.attn_hc.init_weights()

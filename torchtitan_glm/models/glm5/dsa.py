@@ -22,20 +22,15 @@ from torch import nn
 from torchtitan_glm.distributed.collectives import all_gather_autograd, sum_grad_over
 from torchtitan_glm.ops.indexer_kl import indexer_kl_dense, indexer_kl_sparse
 from torchtitan_glm.ops.indexer_topk import kpool_topk, tile_rows
+from torchtitan_glm.ops.indexer_topk import _stable_topk as stable_topk  # the selection's tie rule, for decode
 from torchtitan_glm.ops.masked_attention import masked_attention
 from torchtitan_glm.ops.sparse_mla import sparse_mla
 
 from .args import Glm5ModelArgs
+from .batch import BatchLayout, DocLayout
+from .cache import IndexerCache, MLACache
 from .indexer_fp8 import fp8_serving_input
 from .layers import RMSNorm, init_linear, local_param
-
-
-class DocLayout(NamedTuple):
-    """Per-token document coordinates [B, T] (see seqinfo.doc_positions)."""
-
-    pos: torch.Tensor
-    length: torch.Tensor
-    key: torch.Tensor
 
 
 class PoolLayout(NamedTuple):
@@ -77,6 +72,24 @@ def pool_layout(doc: DocLayout, kpool: int) -> PoolLayout:
     complete = doc.pos - doc.pos % kpool + kpool <= doc.length
     token_slot = torch.where(complete, rank.gather(1, first), torch.full_like(rank, -1))
     return PoolLayout(start, used, doc.key.gather(1, start), token_slot)
+
+
+def _query_chunks(cp, local_len: int) -> list[tuple[int, int, int]]:
+    """(local start, local end, row position of its first query) of each run of consecutive row positions among
+    this rank's queries: the whole row without context parallelism, the zigzag's two chunks with it."""
+    if cp is None:
+        return [(0, local_len, 0)]
+    if cp.layout.per_document:
+        raise ValueError("DSA under context parallelism needs the row zigzag (context-parallel layout 'zigzag')")
+    chunk, size, rank = local_len // 2, cp.layout.size, cp.layout.rank  # rank r holds chunks r and 2 cp - 1 - r
+    return [(0, chunk, rank * chunk), (chunk, local_len, (2 * size - 1 - rank) * chunk)]
+
+
+def _cp_causal_doc_mask(doc: DocLayout, full_doc: DocLayout, positions: torch.Tensor) -> torch.Tensor:
+    """[B, T_local, T] causal mask within documents of this rank's queries against the whole rows' keys."""
+    keys = torch.arange(full_doc.pos.shape[1], device=positions.device)
+    causal = keys[None, None, :] <= positions.to(keys.device)[:, :, None]
+    return causal & (doc.key[:, :, None] == full_doc.key[:, None, :])
 
 
 def causal_doc_mask(doc: DocLayout) -> torch.Tensor:
@@ -139,18 +152,28 @@ class KPoolIndexer(nn.Module):
         # Linears read through their weight, never called: a float8 conversion would not reach them.
         self.weight_only_linears = {"weights_proj"} if self.weights_fp32 else set()
 
-    def pooled_keys(self, x: torch.Tensor, pools: PoolLayout) -> torch.Tensor:
+    def pooled_keys(self, x: torch.Tensor, pools: PoolLayout, gather=None) -> torch.Tensor:
         """[B, P, D] pooled keys: per-dimension softmax over each pool's kpool slots (gate + APE, FP32) weighting the
-        normalised keys; summed in the keys' dtype (the reference) or in FP32 with one rounding (kpool_fp32_accumulate)."""
+        normalised keys; summed in the keys' dtype (the reference) or in FP32 with one rounding (kpool_fp32_accumulate).
+        gather: the whole rows' per-token keys and gates from this rank's (context parallelism)."""
         bsz = x.shape[0]
-        k = self.k_norm(self.wk(x))
-        gate = F.linear(x, self.index_kpool_compress_gate)
-        idx = (pools.start.unsqueeze(-1) + torch.arange(self.kpool, device=x.device)).clamp(max=x.shape[1] - 1)
+        k, gate = self.token_keys(x)
+        if gather is not None:
+            k, gate = gather(k), gather(gate)
+        idx = (pools.start.unsqueeze(-1) + torch.arange(self.kpool, device=x.device)).clamp(max=k.shape[1] - 1)
         rows = torch.arange(bsz, device=x.device).view(bsz, 1, 1)
-        probs = (gate[rows, idx].float() + self.kpool_ape.weight.float()).softmax(dim=2)
+        return self.pool(k[rows, idx], gate[rows, idx])
+
+    def token_keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token: the normalised key and the compression-gate logits, [..., D] each (what a pool combines)."""
+        return self.k_norm(self.wk(x)), F.linear(x, self.index_kpool_compress_gate)
+
+    def pool(self, k: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """[..., kpool, D] keys and gate logits of complete pools -> [..., D] pooled keys (see pooled_keys)."""
+        probs = (gate.float() + self.kpool_ape.weight.float()).softmax(dim=-2)
         if self.fp32_accumulate:
-            return (probs * k[rows, idx].float()).sum(dim=2).to(k.dtype)
-        return (probs.to(k.dtype) * k[rows, idx]).sum(dim=2)
+            return (probs * k.float()).sum(dim=-2).to(k.dtype)
+        return (probs.to(k.dtype) * k).sum(dim=-2)
 
     def head_weights(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, H] FP32 head weights w_h * H^-1/2 (the projection in FP32 with indexer_weights_fp32)."""
@@ -160,16 +183,17 @@ class KPoolIndexer(nn.Module):
             w = self.weights_proj(x).float()
         return w * self.n_heads**-0.5
 
-    def inputs(self, x: torch.Tensor, qr: torch.Tensor, pools: PoolLayout) -> IndexerInputs:
+    def inputs(self, x: torch.Tensor, qr: torch.Tensor, pools: PoolLayout, gather=None) -> IndexerInputs:
         """The score's FP32 operands. With indexer_fp8_emulation the query and the pooled keys first take serving's
         FP8 path (rotation after pooling, as serving does): elementwise per row, so the tiled ops see the result."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        pooled = self.pooled_keys(x, pools)
+        pooled = self.pooled_keys(x, pools, gather)
         if self.fp8_emulation:
             q, pooled = fp8_serving_input(q), fp8_serving_input(pooled)
         return IndexerInputs(q.float(), self.head_weights(x), pooled.float())
 
-    def select(self, inp: IndexerInputs, doc: DocLayout, pools: PoolLayout, *, budget: int) -> torch.Tensor:
+    def select(self, inp: IndexerInputs, doc: DocLayout, pools: PoolLayout, *, budget: int,
+               q_start: int = 0) -> torch.Tensor:
         """[B, T, min(index_topk // kpool, P)] int64: the selected pool slots, best first, -1 padding. Ties go to the
         earlier pool: ReLU scoring produces exact ties (all-zero pools), and a fixed rule keeps the selection
         independent of packing, tiling and kernel."""
@@ -177,9 +201,10 @@ class KPoolIndexer(nn.Module):
         k = min(self.select_pools, num_slots)
         tile = tile_rows(self.n_heads * num_slots, budget)
         return kpool_topk(inp.q.detach(), inp.w.detach(), inp.pk.detach(), pool_last(pools, self.kpool, doc),
-                          pools.key, doc.key, k, self.kpool, tile)
+                          pools.key, doc.key, k, self.kpool, tile, q_start)
 
-    def token_indices(self, pool_ids: torch.Tensor, doc: DocLayout, pools: PoolLayout) -> torch.Tensor:
+    def token_indices(self, pool_ids: torch.Tensor, doc: DocLayout, pools: PoolLayout, *,
+                      q_start: int = 0) -> torch.Tensor:
         """[B, T, K] int32 tokens: the selected pools' kpool tokens in pool_ids order, then the query's incomplete
         tail (its last (pos + 1) % kpool tokens, the query included) when always_select_tail; -1 = none."""
         bsz, seqlen, k = pool_ids.shape
@@ -189,7 +214,7 @@ class KPoolIndexer(nn.Module):
         parts = [tokens.flatten(2)]
         if self.always_select_tail:
             back = torch.arange(self.kpool - 1, device=device)
-            t = torch.arange(seqlen, device=device).view(1, seqlen, 1)
+            t = torch.arange(q_start, q_start + seqlen, device=device).view(1, seqlen, 1)
             tail_len = ((doc.pos + 1) % self.kpool).unsqueeze(-1)
             parts.append(torch.where(back < tail_len, t - back, -1).expand(bsz, seqlen, -1))
         return torch.cat(parts, dim=-1).to(torch.int32)
@@ -200,6 +225,62 @@ class KPoolIndexer(nn.Module):
         self.k_norm.reset_parameters()
         nn.init.ones_(self.index_kpool_compress_gate)
         self.kpool_ape.init_weights()
+
+    # ------------------------------------------------------------------ decode (models/glm5/decode.py)
+    def prefill_cache(self, x: torch.Tensor, first: torch.Tensor, capacity: int) -> IndexerCache:
+        """The cache after the prompts x[b, first[b]:] (the rows' ends): the pooled keys of their complete pools,
+        computed as training computes them, and the open pool's per-token keys and gate logits."""
+        bsz, seqlen = x.shape[:2]
+        kp, device = self.kpool, x.device
+        k, gate = self.token_keys(x)
+        rows = torch.arange(bsz, device=device).view(bsz, 1, 1)
+        closed = (seqlen - first) // kp  # [B] complete pools of each prompt
+        slots = torch.arange(seqlen // kp, device=device)
+        tokens = (first.view(bsz, 1, 1) + slots.view(1, -1, 1) * kp + torch.arange(kp, device=device)).clamp(
+            max=seqlen - 1)
+        pooled = self.pool(k[rows, tokens], gate[rows, tokens])
+        if self.fp8_emulation:
+            pooled = fp8_serving_input(pooled)
+        pooled = torch.where((slots < closed.unsqueeze(1)).unsqueeze(-1), pooled, 0)
+        pooled = F.pad(pooled, (0, 0, 0, -(-capacity // kp) - pooled.shape[1]))
+        open_tokens = (first + closed * kp).unsqueeze(1) + torch.arange(kp, device=device)  # [B, kpool]
+        in_prompt = (open_tokens < seqlen).unsqueeze(-1)
+        rows = rows.view(bsz, 1)
+        open_tokens = open_tokens.clamp(max=seqlen - 1)
+        return IndexerCache(pooled, torch.where(in_prompt, k[rows, open_tokens], 0),
+                            torch.where(in_prompt, gate[rows, open_tokens], 0))
+
+    def decode(self, x: torch.Tensor, qr: torch.Tensor, cache: IndexerCache, pos: torch.Tensor) -> torch.Tensor:
+        """Token indices [B, 1, K] int32 (prompt positions, -1 = none) for one query per row at positions pos [B]:
+        the token joins the open pool, which is pooled into the cache when this token closes it; then the query
+        scores the closed pools (training's score, selection rule and tail), as training selects for it."""
+        kp = self.kpool
+        rows = torch.arange(x.shape[0], device=x.device)
+        k, gate = self.token_keys(x)
+        slot = pos % kp
+        cache.keys[rows, slot] = k[:, 0].to(cache.keys.dtype)
+        cache.gates[rows, slot] = gate[:, 0].to(cache.gates.dtype)
+        pooled = self.pool(cache.keys, cache.gates)  # [B, D]: the open pool, stored only if this token closes it
+        if self.fp8_emulation:
+            pooled = fp8_serving_input(pooled)
+        num_slots = cache.pooled.shape[1]
+        j = (pos // kp).clamp(max=num_slots - 1)
+        cache.pooled[rows, j] = torch.where((slot == kp - 1).unsqueeze(-1), pooled.to(cache.pooled.dtype),
+                                            cache.pooled[rows, j])
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        if self.fp8_emulation:
+            q = fp8_serving_input(q)
+        per_head = torch.matmul(q[:, 0].float(), cache.pooled.float().transpose(1, 2)).mul_(self.head_dim**-0.5)
+        scores = torch.matmul(self.head_weights(x), per_head.relu_()).squeeze(1)  # [B, P]
+        visible = torch.arange(num_slots, device=x.device) < ((pos + 1) // kp).unsqueeze(1)
+        pool_ids = stable_topk(scores, visible, min(self.select_pools, num_slots))
+        first = pool_ids.unsqueeze(-1) * kp
+        tokens = torch.where(first >= 0, first + torch.arange(kp, device=x.device), -1)
+        parts = [tokens.flatten(1)]
+        if self.always_select_tail:
+            back = torch.arange(kp - 1, device=x.device)
+            parts.append(torch.where(back < ((pos + 1) % kp).unsqueeze(1), pos.unsqueeze(1) - back, -1))
+        return torch.cat(parts, dim=-1).unsqueeze(1).to(torch.int32)
 
 
 def pool_last(pools: PoolLayout, kpool: int, doc: DocLayout) -> torch.Tensor:
@@ -239,17 +320,13 @@ class SparseMLA(nn.Module):
         self.heads_group = None
 
     def forward(
-        self,
-        x: torch.Tensor,
-        *,
-        doc: DocLayout,
-        shared_indices: torch.Tensor | None = None,
-        indexer_kl: str | None = None,
+        self, x: torch.Tensor, batch: BatchLayout, shared_indices: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, IndexerStats | None]:
         """Returns (output [B, T, D], token indices [B, T, K] used (None in the dense stage), indexer KL or None).
 
-        indexer_kl: None, "sparse" (over the selected pools, target = this sparse attention) or "dense" (over every
-        candidate pool, target = dense causal attention)."""
+        batch.indexer_kl: None, "sparse" (over the selected pools, target = this sparse attention) or "dense" (over
+        every candidate pool, target = dense causal attention)."""
+        doc, indexer_kl, cp = batch.doc, batch.indexer_kl, batch.cp
         if indexer_kl not in (None, "sparse", "dense"):
             raise ValueError(f"indexer_kl must be None, 'sparse' or 'dense', got {indexer_kl!r}")
         if indexer_kl == "sparse" and self.dense:
@@ -261,40 +338,64 @@ class SparseMLA(nn.Module):
         w_kv = local_param(self.kv_b_proj.weight).unflatten(0, (-1, self.qk_dim + self.v_dim))
         w_uk, w_uv = w_kv.split([self.qk_dim, self.v_dim], 1)
         q_lat = torch.einsum("bthd,hdr->bthr", q, w_uk) if not self.dense or indexer_kl else None  # absorbed query
+        # Context parallelism: this rank's queries attend the whole rows, so the latent (and, in the indexer, the
+        # keys and their pooling gates) are all-gathered; pools and documents are those of the whole rows.
+        gather = None if cp is None else (lambda t: cp.layout.unshard(t, group=cp.group))
+        full_doc = doc if cp is None else cp.full_doc
+        latent_all = latent if gather is None else gather(latent)
 
         indices, stats = shared_indices, None
         if self.indexer is None:
             if shared_indices is None and not self.dense:
                 raise ValueError("a 'shared' DSA layer needs the previous layer's selection")
         elif not self.dense or indexer_kl is not None:
-            pools = pool_layout(doc, self.kpool)
+            pools = pool_layout(full_doc, self.kpool)
             with torch.set_grad_enabled(indexer_kl is not None and torch.is_grad_enabled()):
-                inp = self.indexer.inputs(x.detach(), qr.detach(), pools)
-            if not self.dense:
-                pool_ids = self.indexer.select(inp, doc, pools, budget=self.tile_elements)
-                indices = self.indexer.token_indices(pool_ids, doc, pools)
+                inp = self.indexer.inputs(x.detach(), qr.detach(), pools, gather=gather)
+            attn_q = None
             if indexer_kl is not None:
                 attn_q = q_lat.detach()
                 if self.heads_group is not None:  # the target sums over all heads: gather the other TP ranks'
                     attn_q = all_gather_autograd(attn_q, dim=2, group=self.heads_group)
-                stats = self._indexer_kl(indexer_kl, inp, doc, pools, attn_q, latent.detach(),
-                                         pool_ids if indexer_kl == "sparse" else None, indices)
+            pieces, kl_parts = [], []
+            for s0, s1, row_pos in _query_chunks(cp, x.shape[1]):
+                part, chunk_doc, chunk_q = inp, doc, attn_q
+                if cp is not None:  # this chunk's queries
+                    part = IndexerInputs(inp.q[:, s0:s1], inp.w[:, s0:s1], inp.pk)
+                    chunk_doc = DocLayout(*(t[:, s0:s1] for t in doc))
+                    chunk_q = None if attn_q is None else attn_q[:, s0:s1]
+                pool_ids = None
+                if not self.dense:
+                    pool_ids = self.indexer.select(part, full_doc, pools, budget=self.tile_elements, q_start=row_pos)
+                    pieces.append(self.indexer.token_indices(pool_ids, chunk_doc, pools, q_start=row_pos))
+                if indexer_kl is not None:
+                    kl_parts.append(self._indexer_kl(indexer_kl, part, full_doc, pools, chunk_q,
+                                                     latent_all.detach(), pool_ids,
+                                                     pieces[-1] if pieces else None, row_pos))
+            if not self.dense:
+                indices = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+            if len(kl_parts) == 1:
+                stats = kl_parts[0]
+            elif kl_parts:
+                stats = IndexerStats(sum(k.kl_sum for k in kl_parts), sum(k.rows for k in kl_parts))
 
         if self.dense:
-            kv = self.kv_b_proj(latent).unflatten(-1, (-1, self.qk_dim + self.v_dim)).transpose(1, 2)
+            kv = self.kv_b_proj(latent_all).unflatten(-1, (-1, self.qk_dim + self.v_dim)).transpose(1, 2)
             k, v = kv.split([self.qk_dim, self.v_dim], dim=-1)
-            out = masked_attention(q.transpose(1, 2), k, v, causal_doc_mask(doc), scale=self.scale).transpose(1, 2)
+            mask = causal_doc_mask(doc) if cp is None else _cp_causal_doc_mask(doc, full_doc, cp.positions)
+            out = masked_attention(q.transpose(1, 2), k, v, mask, scale=self.scale).transpose(1, 2)
             indices = None
         else:
             if self.heads_group is not None:  # the latent is replicated; each TP rank's heads add to its gradient
-                latent = sum_grad_over(latent, group=self.heads_group)
-            out = torch.einsum("bthr,hvr->bthv", sparse_mla(q_lat, latent, indices, scale=self.scale), w_uv)
+                latent_all = sum_grad_over(latent_all, group=self.heads_group)
+            out = torch.einsum("bthr,hvr->bthv", sparse_mla(q_lat, latent_all, indices, scale=self.scale), w_uv)
         return self.o_proj(out.flatten(-2)), indices, stats
 
     def _indexer_kl(
         self, mode: str, inp: IndexerInputs, doc: DocLayout, pools: PoolLayout, attn_q: torch.Tensor,
-        attn_kv: torch.Tensor, pool_ids: torch.Tensor | None, indices: torch.Tensor | None,
+        attn_kv: torch.Tensor, pool_ids: torch.Tensor | None, indices: torch.Tensor | None, q_start: int = 0,
     ) -> IndexerStats:
+        """The KL of queries q_start .. of the rows (doc, pools, attn_kv: the whole rows)."""
         need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inp)
         heads_i, num_slots = inp.q.shape[2], inp.pk.shape[1]
         if mode == "sparse":
@@ -305,7 +406,7 @@ class SparseMLA(nn.Module):
             width = max(heads_i * num_slots, attn_q.shape[2] * doc.pos.shape[1])
             kl, rows, *_ = indexer_kl_dense(*inp, pools.start, pool_last(pools, self.kpool, doc), pools.key, doc.key,
                                             attn_q, attn_kv, self.scale, self.kpool,
-                                            tile_rows(width, self.tile_elements), need_grad)
+                                            tile_rows(width, self.tile_elements), need_grad, q_start)
         return IndexerStats(kl, rows)
 
     def init_weights(self) -> None:
@@ -315,3 +416,42 @@ class SparseMLA(nn.Module):
         self.kv_a_layernorm.init_weights()
         if self.indexer is not None:
             self.indexer.init_weights()
+
+    # ------------------------------------------------------------------ decode (models/glm5/decode.py)
+    def prefill(self, x: torch.Tensor, batch: BatchLayout, shared_indices: torch.Tensor | None = None, *,
+                capacity: int) -> tuple[torch.Tensor, torch.Tensor | None, MLACache]:
+        """forward()'s (output, indices) for rows that each end with a prompt (left padding as a document before
+        it), and the cache of each prompt: its latents and the indexer's pools, in prompt positions."""
+        out, indices, _ = self.forward(x, batch, shared_indices)
+        bsz, seqlen = x.shape[:2]
+        first = batch.doc.key[:, -1]  # where each row's last document, its prompt, starts
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)[..., : self.kv_lora_rank])
+        t = first.unsqueeze(1) + torch.arange(capacity, device=x.device)
+        kept = latent.gather(1, t.clamp(max=seqlen - 1).unsqueeze(-1).expand(-1, -1, latent.shape[-1]))
+        cache = torch.where((t < seqlen).unsqueeze(-1), kept, 0)
+        indexer = None if self.indexer is None or self.dense else self.indexer.prefill_cache(x, first, capacity)
+        return out, indices, MLACache(cache, indexer)
+
+    def decode(self, x: torch.Tensor, cache: MLACache, pos: torch.Tensor,
+               shared_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row: x [B, 1, D] at prompt positions pos [B] -> (output, the token indices [B, 1, K] it
+        attended); appends its latent to `cache`. Absorbed MLA over the cached latents, as the sparse forward."""
+        rows = torch.arange(x.shape[0], device=x.device)
+        qr = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(qr).unflatten(-1, (-1, self.qk_dim))
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)[..., : self.kv_lora_rank])
+        cache.latent[rows, pos] = latent[:, 0].to(cache.latent.dtype)
+        w_kv = local_param(self.kv_b_proj.weight).unflatten(0, (-1, self.qk_dim + self.v_dim))
+        w_uk, w_uv = w_kv.split([self.qk_dim, self.v_dim], 1)
+        q_lat = torch.einsum("bthd,hdr->bthr", q, w_uk)
+        if self.dense:  # the dense warm-up: every earlier token of the prompt
+            t = torch.arange(cache.latent.shape[1], device=x.device)
+            indices = torch.where(t <= pos.unsqueeze(1), t, -1).unsqueeze(1).to(torch.int32)
+        elif self.indexer is None:
+            if shared_indices is None:
+                raise ValueError("a 'shared' DSA layer needs the previous layer's selection")
+            indices = shared_indices
+        else:
+            indices = self.indexer.decode(x, qr, cache.indexer, pos)
+        out = torch.einsum("bthr,hvr->bthv", sparse_mla(q_lat, cache.latent, indices, scale=self.scale), w_uv)
+        return self.o_proj(out.flatten(-2)), indices

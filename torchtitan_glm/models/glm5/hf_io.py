@@ -262,6 +262,16 @@ def _indexer_hf_modules(model: Glm5Model, adapter: Glm5StateDictAdapter) -> set[
             for p, m in model.named_modules() if isinstance(m, KPoolIndexer)}
 
 
+def fp8_quantization_config(shapes: Mapping[str, tuple[int, ...]], quantized: set[str],
+                            indexer_modules: set[str]) -> dict[str, Any]:
+    """config.json's quantization_config of an FP8 export: every 2-D weight left unquantised, and the indexers
+    whole, listed in modules_to_not_convert."""
+    not_convert = sorted({n.rsplit(".", 1)[0] for n, shape in shapes.items() if n not in quantized
+                          and n.endswith(".weight") and len(shape) == 2} | indexer_modules)
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK], "modules_to_not_convert": not_convert}
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -393,10 +403,8 @@ def save_pretrained(
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     cfg = dict(config) if config is not None else _export_config(model, origin, dtype)
     if quantized:
-        not_convert = sorted({n.rsplit(".", 1)[0] for n in names if n not in quantized and n.endswith(".weight")
-                              and tensors[n].ndim == 2} | _indexer_hf_modules(model, adapter))
-        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                      "weight_block_size": [FP8_BLOCK, FP8_BLOCK], "modules_to_not_convert": not_convert}
+        cfg["quantization_config"] = fp8_quantization_config({n: tuple(tensors[n].shape) for n in names}, quantized,
+                                                             _indexer_hf_modules(model, adapter))
 
     def shard_tensors(shard: list[str]) -> dict[str, torch.Tensor]:
         data = {}

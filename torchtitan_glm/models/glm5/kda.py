@@ -9,8 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan_glm.ops.kda import kda as kda_op
+from torchtitan_glm.ops.kda_cp import conv_halo, kda_cp
+from torchtitan_glm.ops.kda_decode import kda_prefill, kda_step
 
 from .args import Glm5ModelArgs
+from .batch import BatchLayout
+from .cache import KDACache
 from .layers import init_linear, local_param
 
 
@@ -137,15 +141,24 @@ class KimiDeltaAttention(nn.Module):
         lb = args.linear_lower_bound
         self.safe_gate = lb is not None and -5.0 <= lb < 0
 
-    def forward(self, x: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
-                pos_in_doc: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: BatchLayout) -> torch.Tensor:
+        """x [B, T_local, D]; documents restart the state and the short convs; under context parallelism the state
+        is chained across the cp ranks and the convs take their halo from the preceding slots."""
         heads = (-1, self.head_dim)  # all heads, or this rank's under tensor parallelism
-        q = self.q_conv1d(self.q_proj(x), pos_in_doc).unflatten(-1, heads)
-        k = self.k_conv1d(self.k_proj(x), pos_in_doc).unflatten(-1, heads)
-        v = self.v_conv1d(self.v_proj(x), pos_in_doc).unflatten(-1, heads)
+        pos = None if batch.doc_ids is None else batch.doc.pos
+        cp = batch.cp
+        qkv = []
+        for proj, conv in ((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d), (self.v_proj, self.v_conv1d)):
+            h = proj(x)
+            halo = None if cp is None else conv_halo(h, conv.kernel_size, group=cp.group)
+            qkv.append(conv(h, pos, halo).unflatten(-1, heads))
+        q, k, v = qkv
         g = self.decay(self.f_b_proj(self.f_a_proj(x)))
         beta = torch.sigmoid(self.b_proj(x))
-        o = kda_op(q, k, v, g, beta, doc_ids, safe_gate=self.safe_gate)
+        if cp is None:
+            o = kda_op(q, k, v, g, beta, batch.doc_ids, safe_gate=self.safe_gate)
+        else:
+            o = kda_cp(q, k, v, g, beta, batch.doc_ids, group=cp.group, layout="zigzag", safe_gate=self.safe_gate)
         gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, heads)
         return self.o_proj(self.o_norm(o, gate).flatten(-2))
 
@@ -156,3 +169,42 @@ class KimiDeltaAttention(nn.Module):
             conv.init_weights(std=self.init_std)
         self.decay.init_weights()
         self.o_norm.init_weights()
+
+    # ------------------------------------------------------------------ decode (models/glm5/decode.py)
+    def prefill(self, x: torch.Tensor, batch: BatchLayout) -> tuple[torch.Tensor, KDACache]:
+        """forward()'s output for rows that each end with a prompt (left padding as a document before it), and the
+        cache after each row's last token: the state of the chunked scan and the short convs' last W - 1 inputs."""
+        if batch.cp is not None:
+            raise NotImplementedError("KDA prefill under context parallelism")
+        heads = (-1, self.head_dim)
+        pos = None if batch.doc_ids is None else batch.doc.pos
+        qkv, tails = [], []
+        for proj, conv in ((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d), (self.v_proj, self.v_conv1d)):
+            h = proj(x)
+            qkv.append(conv(h, pos).unflatten(-1, heads))
+            width = conv.kernel_size - 1
+            tails.append(F.pad(h[:, -width:] if width else h[:, :0], (0, 0, max(0, width - h.shape[1]), 0)))
+        g = self.decay(self.f_b_proj(self.f_a_proj(x)))
+        beta = torch.sigmoid(self.b_proj(x))
+        o, state = kda_prefill(*qkv, g, beta, batch.doc_ids, self.safe_gate)
+        return self._gated_output(o, x), KDACache(state, tails)
+
+    def decode(self, x: torch.Tensor, cache: KDACache, pos: torch.Tensor) -> torch.Tensor:
+        """One token per row: x [B, 1, D] at prompt positions pos [B]; advances `cache` in place. The short convs
+        take the cached tokens as their halo (taps before the prompt's start are masked by the position)."""
+        heads = (-1, self.head_dim)
+        qkv = []
+        for i, (proj, conv) in enumerate(((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d),
+                                          (self.v_proj, self.v_conv1d))):
+            h = proj(x)
+            qkv.append(conv(h, pos.unsqueeze(1), cache.conv[i].unsqueeze(1)).unflatten(-1, heads))
+            cache.conv[i] = torch.cat([cache.conv[i], h.to(cache.conv[i].dtype)], dim=1)[:, 1:]
+        g = self.decay(self.f_b_proj(self.f_a_proj(x)))
+        beta = torch.sigmoid(self.b_proj(x))
+        o, cache.state = kda_step(*qkv, g, beta, cache.state)
+        return self._gated_output(o, x)
+
+    def _gated_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o_proj(o_norm(o, gate(x))): the block's output from the KDA core's [B, T, H, V]."""
+        gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, (-1, self.head_dim))
+        return self.o_proj(self.o_norm(o, gate).flatten(-2))

@@ -8,13 +8,14 @@ import torch
 from torch import nn
 
 from .args import Glm5ModelArgs
+from .batch import TrainBatch, batch_layout, mtp_targets, train_batch  # noqa: F401  (mtp_targets: re-exported)
 from .decoder import DecoderLayer
-from .dsa import DocLayout, IndexerStats
+from .dsa import IndexerStats
 from .layers import LMHead, RMSNorm
 from .mhc import LearnedHcHead, mean_hc_head
 from .moe import MoEStats
 from .mtp import MTPLayer
-from .seqinfo import cu_seqlens_to_doc_ids, doc_positions
+from .seqinfo import cu_seqlens_to_doc_ids
 
 
 class Glm5Output(NamedTuple):
@@ -36,15 +37,8 @@ class Glm5LossOutput(NamedTuple):
     indexer_stats: list[IndexerStats]
 
 
-def mtp_targets(labels: torch.Tensor) -> torch.Tensor:
-    """MTP labels: position t predicts labels[t + 1] when both t and t + 1 are real next-token targets."""
-    nxt = torch.roll(labels, shifts=-1, dims=1)
-    nxt[:, -1] = -100
-    return nxt.masked_fill(labels == -100, -100)
-
-
 class Glm5Model(nn.Module):
-    """GLM-5.3-Flash text model. `model(tokens, cu_seqlens=None)` -> logits [B, T, vocab]."""
+    """GLM-5.3-Flash text model: `model(batch)` trains (Glm5LossOutput), `model.logits(tokens)` infers."""
 
     def __init__(self, args: Glm5ModelArgs) -> None:
         super().__init__()
@@ -59,47 +53,56 @@ class Glm5Model(nn.Module):
         self.mtp = MTPLayer(args) if args.num_nextn_predict_layers == 1 else None
         self.init_weights()
 
-    # ------------------------------------------------------------------ forward
+    # ------------------------------------------------------------------ entries
     def forward(
         self,
-        tokens: torch.Tensor,
-        cu_seqlens: torch.Tensor | None = None,
+        tokens: torch.Tensor | TrainBatch,
+        labels: torch.Tensor | None = None,
         *,
         doc_ids: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
         token_scale: float | torch.Tensor = 1.0,
         mtp_scale: float | torch.Tensor = 0.0,
-        collect_indexer_stats: bool = False,
-        indexer_sparse_loss: bool = False,
+        indexer_kl: str | None = None,
         seq_aux: bool = False,
         ce_chunk_size: int = 4096,
-    ) -> torch.Tensor | Glm5LossOutput:
-        """Without labels: logits [B, T, vocab]. With labels [B, T] (-100 = ignore): the training loss
-        sum_t token_scale * CE_t + mtp_scale * MTP-CE_t, computed in chunks from the hidden states, plus stats.
+    ) -> Glm5LossOutput:
+        """The training entry: sum_t token_scale * CE_t + mtp_scale * MTP-CE_t, computed in chunks from the hidden
+        states (the logits never exist whole), plus the statistics the trainer balances and logs.
 
-        The MTP at position t predicts labels[t + 1] (token t + 2) and is ignored where labels[t] or
-        labels[t + 1] is (document ends, the row's last position). mtp_scale == 0 skips the MTP layer.
-        collect_indexer_stats: each DSA layer with an indexer computes its KL (loss.indexer_kl_loss sums them), over
-        the selected pools with indexer_sparse_loss, else over every candidate pool.
-        """
-        with_mtp = labels is not None and self.mtp is not None and bool(mtp_scale != 0)
-        out = self.hidden_states(tokens, cu_seqlens, doc_ids=doc_ids, with_mtp=with_mtp,
-                                 collect_indexer_stats=collect_indexer_stats, indexer_sparse_loss=indexer_sparse_loss,
-                                 seq_aux=seq_aux)
-        if labels is None:
-            return self.lm_head(out.hidden)
+        `tokens` is a TrainBatch (models/glm5/batch.py; what the trainer passes, sharded for context parallelism),
+        or whole rows [B, T] with `labels` [B, T] (-100 = ignore) and optional per-token `doc_ids`. The MTP at
+        position t predicts labels[t + 1] (token t + 2); it runs whenever the model has an MTP layer (its weight is
+        mtp_scale). indexer_kl: None, "sparse" or "dense" (each DSA layer computes its KL over that support; see
+        components/loss.indexer_kl_loss). Inference: `logits()`."""
+        if isinstance(tokens, TrainBatch):
+            batch = tokens
+        elif labels is None:
+            raise TypeError("Glm5Model.forward is the training entry and needs labels; use model.logits(tokens) for "
+                            "logits")
+        else:
+            batch = train_batch(tokens, labels, doc_ids)
+        with_mtp = self.mtp is not None
+        out = self.hidden_states(batch.tokens, doc_ids=batch.doc_ids, with_mtp=with_mtp, indexer_kl=indexer_kl,
+                                 seq_aux=seq_aux, next_tokens=batch.next_tokens, cp=batch.cp)
+        labels = batch.labels
         hidden, targets = out.hidden.flatten(0, 1), labels.flatten()
         scales = torch.full_like(targets, 1, dtype=torch.float32) * token_scale
         if with_mtp:
-            mtp_labels = mtp_targets(labels)
             hidden = torch.cat([hidden, out.mtp_hidden.flatten(0, 1)])
-            targets = torch.cat([targets, mtp_labels.flatten()])
-            scales = torch.cat([scales, torch.full_like(mtp_labels.flatten(), 1, dtype=torch.float32) * mtp_scale])
+            targets = torch.cat([targets, batch.mtp_labels.flatten()])
+            scales = torch.cat([scales, torch.full_like(targets[labels.numel():], 1, dtype=torch.float32)
+                                * mtp_scale])
         loss, per_token = self.lm_head(hidden, targets, scales, chunk_size=ce_chunk_size)
         n = labels.numel()
         ce = per_token[:n].view_as(labels).clone()  # clones: no view outputs across the FSDP2 root
         mtp = per_token[n:].view_as(labels).clone() if with_mtp else None
         return Glm5LossOutput(loss, ce, mtp, out.moe_stats, out.indexer_stats)
+
+    def logits(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
+               doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The inference entry: logits [B, T, vocab] of the trunk (no MTP). Packed documents as cu_seqlens for a
+        [1, total] batch, or per-token doc_ids [B, T]."""
+        return self.lm_head(self.hidden_states(tokens, cu_seqlens, doc_ids=doc_ids, with_mtp=False).hidden)
 
     def hidden_states(
         self,
@@ -108,28 +111,32 @@ class Glm5Model(nn.Module):
         *,
         doc_ids: torch.Tensor | None = None,
         with_mtp: bool = True,
-        collect_indexer_stats: bool = False,
-        indexer_sparse_loss: bool = False,
+        indexer_kl: str | None = None,
         seq_aux: bool = False,
+        next_tokens: torch.Tensor | None = None,
+        cp: tuple | None = None,
     ) -> Glm5Output:
         """Run the trunk (and MTP). Packed documents come as cu_seqlens for a [1, total] batch, or as per-token
-        document ids [B, T]; KDA state, short convs, indexer pools and attention all restart at boundaries."""
-        bsz, seqlen = tokens.shape
+        document ids [B, T]; KDA state, short convs, indexer pools and attention all restart at boundaries.
+
+        Under context parallelism (`cp` = (group, CPLayout)) `tokens` and `next_tokens` are this rank's part and
+        `doc_ids` the whole rows' document ids. next_tokens: the MTP's input tokens (default: tokens rolled by one)."""
+        bsz, local_len = tokens.shape
         if cu_seqlens is not None:
             if doc_ids is not None:
                 raise ValueError("pass either cu_seqlens or doc_ids, not both")
             if bsz != 1:
                 raise ValueError(f"cu_seqlens needs a packed [1, total] batch, got tokens of shape {tuple(tokens.shape)}")
-            doc_ids = cu_seqlens_to_doc_ids(cu_seqlens, seqlen)
-        doc = DocLayout(*doc_positions(doc_ids, bsz, seqlen, tokens.device))
+            doc_ids = cu_seqlens_to_doc_ids(cu_seqlens, local_len)
+        seqlen = local_len * (1 if cp is None else cp[1].size)
+        batch = batch_layout(doc_ids, (bsz, seqlen), tokens.device, cp=cp, indexer_kl=indexer_kl, seq_aux=seq_aux)
         embeds = self.embed_tokens(tokens)
-        streams = embeds.unsqueeze(-2).expand(bsz, seqlen, self.args.hc_mult, -1).contiguous()
+        streams = embeds.unsqueeze(-2).expand(bsz, local_len, self.args.hc_mult, -1).contiguous()
         moe_stats: list[MoEStats] = []
         indexer_stats: list[IndexerStats] = []
-        kl = ("sparse" if indexer_sparse_loss else "dense") if collect_indexer_stats else None
         prev_indices = None
         for layer in self.layers.values():
-            streams, indices, stats, mstats = layer(streams, doc, doc_ids, prev_indices, kl, seq_aux)
+            streams, indices, stats, mstats = layer(streams, batch, prev_indices)
             prev_indices = indices if indices is not None else prev_indices
             if stats is not None:
                 indexer_stats.append(stats)
@@ -139,8 +146,9 @@ class Glm5Model(nn.Module):
         hidden = self.norm(contracted)
         mtp_hidden = None
         if with_mtp and self.mtp is not None:
-            next_embeds = self.embed_tokens(torch.roll(tokens, shifts=-1, dims=1))
-            mtp_hidden, stats, mstats = self.mtp(hidden, next_embeds, doc, kl, seq_aux)
+            if next_tokens is None:
+                next_tokens = torch.roll(tokens, shifts=-1, dims=1)
+            mtp_hidden, stats, mstats = self.mtp(hidden, self.embed_tokens(next_tokens), batch)
             moe_stats.append(mstats)
             if stats is not None:
                 indexer_stats.append(stats)

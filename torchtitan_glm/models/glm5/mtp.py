@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from .args import Glm5ModelArgs
-from .dsa import DocLayout, IndexerStats, SparseMLA
+from .batch import BatchLayout
+from .dsa import IndexerStats, SparseMLA
 from .layers import RMSNorm, init_linear
 from .moe import MoE, MoEStats
 
@@ -41,13 +42,12 @@ class MTPLayer(nn.Module):
         self.shared_head = SharedHead(args)
 
     def forward(
-        self, hidden: torch.Tensor, next_embeds: torch.Tensor, doc: DocLayout,
-        indexer_kl: str | None = None, seq_aux: bool = False,
+        self, hidden: torch.Tensor, next_embeds: torch.Tensor, batch: BatchLayout,
     ) -> tuple[torch.Tensor, IndexerStats | None, MoEStats]:
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
-        a, _, stats = self.self_attn(self.input_layernorm(x), doc=doc, indexer_kl=indexer_kl)
+        a, _, stats = self.self_attn(self.input_layernorm(x), batch)
         x = x + a
-        m, moe_stats = self.mlp(self.post_attention_layernorm(x), seq_aux=seq_aux)
+        m, moe_stats = self.mlp(self.post_attention_layernorm(x), seq_aux=batch.seq_aux)
         x = x + m
         return self.shared_head.norm(x), stats, moe_stats
 

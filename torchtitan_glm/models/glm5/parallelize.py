@@ -31,7 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
@@ -185,6 +187,7 @@ def parallelize_glm5(
                 offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=outside,
                 offload_policy=offload)
+    register_fsdp_forward_method(model, "logits")  # the inference entry gets the root's FSDP hooks too
 
     dp_cp = meshes["dp_cp"].get_group()
     dp_cp_size = meshes["dp_cp"].size()

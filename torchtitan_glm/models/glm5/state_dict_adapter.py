@@ -103,6 +103,54 @@ def quantize_fp8_blockwise(weight: torch.Tensor, block: int | tuple[int, int] = 
     return q.view(tiles[0] * bo, tiles[1] * bi)[:rows, :cols].contiguous(), scale_inv
 
 
+def _tile_index(start: int, length: int, block: int, first_tile: int) -> torch.Tensor:
+    return torch.arange(start, start + length) // block - first_tile
+
+
+def dequantize_fp8_block_region(weight: torch.Tensor, scale_inv: torch.Tensor, *, row0: int, col0: int,
+                                block: int | tuple[int, int] = 128, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """dequantize_fp8_blockwise of the region of a weight whose first element is (row0, col0) of the whole, e.g. one
+    rank's shard; scale_inv holds the tiles covering the region (tile (row0 // block, col0 // block) first). The
+    same FP32 products as the whole-tensor function, so the values are bit-identical."""
+    bo, bi = (block, block) if isinstance(block, int) else tuple(block)
+    rows = _tile_index(row0, weight.shape[0], bo, row0 // bo)
+    cols = _tile_index(col0, weight.shape[1], bi, col0 // bi)
+    return (weight.float() * scale_inv.float()[rows][:, cols].to(weight.device)).to(dtype)
+
+
+def fp8_block_amax_region(weight: torch.Tensor, *, row0: int, col0: int, full_shape: tuple[int, int],
+                          block: int | tuple[int, int] = 128) -> torch.Tensor:
+    """The [ceil(out / block), ceil(in / block)] grid of per-tile max |w| of a 2-D weight, from the region of it
+    whose first element is (row0, col0): tiles it does not touch are 0, so the grids of all regions combine by max."""
+    bo, bi = (block, block) if isinstance(block, int) else tuple(block)
+    grid = torch.zeros(fp8_scale_shape(full_shape, (bo, bi)), dtype=torch.float32, device=weight.device)
+    if weight.numel() == 0:
+        return grid
+    t0, c0 = row0 // bo, col0 // bi
+    t1, c1 = -(-(row0 + weight.shape[0]) // bo), -(-(col0 + weight.shape[1]) // bi)
+    window = torch.zeros((t1 - t0) * bo, (c1 - c0) * bi, dtype=torch.float32, device=weight.device)
+    window[row0 - t0 * bo:row0 - t0 * bo + weight.shape[0], col0 - c0 * bi:col0 - c0 * bi + weight.shape[1]] = \
+        weight.float().abs()
+    grid[t0:t1, c0:c1] = window.view(t1 - t0, bo, c1 - c0, bi).amax(dim=(1, 3))
+    return grid
+
+
+def fp8_scale_inv(amax: torch.Tensor) -> torch.Tensor:
+    """The released scale_inv of a tile amax grid (tile amax / 448, floored), as quantize_fp8_blockwise makes it."""
+    return (amax / 448.0).clamp_min(1e-12)
+
+
+def quantize_fp8_block_region(weight: torch.Tensor, scale_inv: torch.Tensor, *, row0: int, col0: int,
+                              block: int | tuple[int, int] = 128) -> torch.Tensor:
+    """E4M3 of the region of a weight whose first element is (row0, col0), under the whole weight's scale_inv grid;
+    bit-identical to that region of quantize_fp8_blockwise(whole)."""
+    bo, bi = (block, block) if isinstance(block, int) else tuple(block)
+    rows = torch.arange(row0, row0 + weight.shape[0]) // bo
+    cols = torch.arange(col0, col0 + weight.shape[1]) // bi
+    s = scale_inv.to(weight.device)[rows][:, cols]
+    return (weight.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
 def fp8_scale_shape(weight_shape: tuple[int, ...], block: int | tuple[int, int] = 128) -> tuple[int, int]:
     bo, bi = (block, block) if isinstance(block, int) else tuple(block)
     return (math.ceil(weight_shape[0] / bo), math.ceil(weight_shape[1] / bi))

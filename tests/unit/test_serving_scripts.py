@@ -1,0 +1,124 @@
+"""scripts/generate.py (DCP and HF checkpoints) and scripts/rollout_agreement.py on the debug model, CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from torchtitan_glm.components.checkpoint import CheckpointManager, list_checkpoints
+from torchtitan_glm.components.resume import run_info
+from torchtitan_glm.config import CheckpointConfig, JobConfig
+from torchtitan_glm.generation import generate
+from torchtitan_glm.models.glm5 import Glm5Model, get_flavor, save_pretrained
+
+from tests.decode_util import randomize
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Loader:
+    """The data loader's checkpoint interface (its position), all the manager needs of it."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": 0}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        del state
+
+
+def _debug_model() -> Glm5Model:
+    torch.manual_seed(0)
+    return randomize(Glm5Model(get_flavor("debug")), seed=1, scale=0.2).eval()
+
+
+@torch.no_grad()
+def test_generate_script_from_a_trainer_checkpoint(tmp_path, capsys):
+    """A checkpoint saved by the trainer's CheckpointManager (DCP + run.json + manifest): the script rebuilds the
+    model from run.json, tokenises with the run's byte tokenizer, streams the text and prints the ids, which are the
+    generate() API's on the same weights."""
+    model = _debug_model()
+    cfg = JobConfig()
+    opt = torch.optim.AdamW(model.parameters())
+    manager = CheckpointManager(cfg=CheckpointConfig(enable=True, interval=1), dump_folder=str(tmp_path), model=model,
+                                optimizer=opt, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                                dataloader=_Loader(),
+                                run_info=run_info(cfg=cfg, args=model.args, tokenizer_vocab_size=259))
+    manager.save(3)
+    root = os.path.join(str(tmp_path), cfg.checkpoint.folder)
+    assert list_checkpoints(root) == [3]
+    prompt = "def main(argv):\n    "
+    ids = _script("generate").main(["--checkpoint", root, "--prompt", prompt, "--max-new-tokens", "12",
+                                    "--ignore-eos", "--print-ids"])
+    expected = list(prompt.encode()) + generate(model, torch.tensor([list(prompt.encode())]),
+                                                max_new_tokens=12)[0, -12:].tolist()
+    assert ids == expected
+    out = capsys.readouterr().out
+    text = bytes(i for i in expected if i < 256).decode("utf-8", errors="replace")
+    assert out.startswith(text.rstrip("\ufffd")[:len(prompt)])
+    assert f"ids: {','.join(map(str, expected))}" in out
+
+
+@torch.no_grad()
+def test_generate_script_from_hf_with_ids_and_sampling(tmp_path, capsys):
+    model = _debug_model()
+    save_pretrained(model, tmp_path / "hf")
+    ids = _script("generate").main(["--hf", str(tmp_path / "hf"), "--prompt-ids", "5,17,300,2",
+                                    "--max-new-tokens", "5", "--temperature", "0.8", "--top-p", "0.9",
+                                    "--seed", "3", "--print-ids"])
+    gen = torch.Generator().manual_seed(3)
+    expected = generate(model, torch.tensor([[5, 17, 300, 2]]), max_new_tokens=5, temperature=0.8, top_p=0.9,
+                        generator=gen)[0].tolist()
+    assert ids == expected
+    assert capsys.readouterr().out.strip() == "ids: " + ",".join(map(str, expected))
+    with pytest.raises(SystemExit):  # no tokenizer in the folder: text prompts are refused
+        _script("generate").main(["--hf", str(tmp_path / "hf"), "--prompt", "hi"])
+    assert "no tokenizer" in capsys.readouterr().err
+
+
+def test_rollout_agreement_script_json(tmp_path):
+    """The report's documented fields; FP32 paths agree to rounding and select the same pools; serving's FP8
+    indexer against an unemulated actor is a real perturbation (random weights of a useful size, from --hf)."""
+    save_pretrained(_debug_model(), tmp_path / "hf")
+    out = tmp_path / "agreement.json"
+    result = _script("rollout_agreement").main([
+        "--hf", str(tmp_path / "hf"), "--device", "cpu", "--precisions", "fp32,fp8_indexer", "--num-sequences", "3",
+        "--prompt-len", "30", "--continuation-len", "10", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(result))
+    assert {"model", "device", "sequences", "prompt_tokens", "continuation_tokens", "variants"} <= set(data)
+    assert data["prompt_tokens"] == [30, 29, 28] and data["continuation_tokens"] == 10
+    rollout = _script("rollout_agreement")
+    for name in ("fp32", "fp8_indexer"):
+        r = data["variants"][name]
+        assert set(r) == set(rollout.FIELDS) and r["tokens"] == 30
+        assert len(r["indexer_overlap"]) == 1  # the debug model has one DSA layer
+    fp32 = data["variants"]["fp32"]
+    assert fp32["pearson"] > 0.999999 and fp32["max_abs_diff"] < 1e-4 and fp32["top1_agreement"] == 1.0
+    assert fp32["indexer_overlap"] == [1.0]
+    assert data["variants"]["fp8_indexer"]["max_abs_diff"] > fp32["max_abs_diff"]
+
+
+def test_rollout_agreement_jsonl_input(tmp_path):
+    path = tmp_path / "seqs.jsonl"
+    path.write_text(json.dumps({"prompt": list(range(40, 61)), "continuation": [7, 8, 9, 10, 11]}) + "\n"
+                    + json.dumps({"prompt": "import os\n", "continuation": "import sys"}) + "\n")
+    result = _script("rollout_agreement").main(["--flavor", "debug", "--device", "cpu", "--precisions", "fp32",
+                                                "--jsonl", str(path), "--tokenizer", "byte"])
+    assert result["prompt_tokens"] == [21, 10] and result["continuation_tokens"] == 5  # cut to the shortest
+    assert result["variants"]["fp32"]["pearson"] > 0.999999
+    path.write_text('{"prompt": "x"}\n')
+    with pytest.raises(SystemExit, match="seqs.jsonl:1"):
+        _script("rollout_agreement").main(["--flavor", "debug", "--device", "cpu", "--precisions", "fp32",
+                                           "--jsonl", str(path)])
