@@ -13,7 +13,8 @@ layer and the indexer KL, the scope of the transformers figure in shared/referen
 head + CE). AC `auto` picks selective up to T = 32K and full above. A run that runs out of memory prints a row
 marked OOM and the sweep goes on. A third field `fp8` in a run (`compiled:selective:fp8`) converts the model to the
 FP8 serving split first (`--float8-recipe`). `--profile` adds one profiled step per run and prints its CUDA kernels
-by total time. Prints one JSON line per run and a markdown table; the proxy needs CUDA.
+by total time. `--recompute-modules kda,mhc` adds activation_checkpoint.recompute_modules to the selective runs
+(their AC column reads `selective+kda+mhc`). Prints one JSON line per run and a markdown table; the proxy needs CUDA.
 
 `--against transformers` first times transformers' own `Glm5NextTextModel` built from the same config (plus a
 bias-free LM head and full-logit FP32 CE: the reference of shared/reference/measured_h200.md), eager, in `--dtype`,
@@ -48,7 +49,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from torchtitan_glm.activation_checkpoint import apply_activation_checkpointing
+from torchtitan_glm.activation_checkpoint import RECOMPUTE_MODULES, apply_activation_checkpointing
 from torchtitan_glm.compile import apply_compile
 from torchtitan_glm.components.loss import indexer_kl_loss
 from torchtitan_glm.components.metrics import flops_per_token
@@ -198,7 +199,7 @@ def model_args(flavor: str, *, scope: str, tile_elements: int) -> Glm5ModelArgs:
 def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, steps: int, warmup: int,
             device: torch.device, dtype: torch.dtype, backend: str, scope: str, profile: bool, indexer_kl: str,
             docs: int, tile_elements: int, float8: str | None = None,
-            weights: dict[str, torch.Tensor] | None = None) -> dict:
+            weights: dict[str, torch.Tensor] | None = None, recompute_modules: tuple[str, ...] = ()) -> dict:
     """One timed run of this repo's model; from `weights` (our names) when given, else from its own init."""
     args = model_args(flavor, scope=scope, tile_elements=tile_elements)
     train_scope = scope == "train"
@@ -214,7 +215,8 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
     f8 = Float8Config(enable=float8 is not None, recipe=float8 or "tensorwise")
     convert_float8(model, cfg=f8)  # the serving split, exactly as the trainer converts
     configure_inductor_for_float8(cfg=f8)
-    apply_activation_checkpointing(model, mode=ac)
+    recompute_modules = recompute_modules if ac == "selective" else ()
+    apply_activation_checkpointing(model, mode=ac, recompute_modules=recompute_modules)
     if compiled:
         apply_compile(model, backend=backend, components=["model", "loss"])
     tokens, labels, doc_ids = make_inputs(vocab=args.vocab_size, seq_len=seq_len, batch=batch, docs=docs,
@@ -244,7 +246,8 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
         print(prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=60), flush=True)
     tps = batch * seq_len / timed["step_s"]
     result = dict(flavor=flavor, scope=scope, indexer_kl=indexer_kl if train_scope else None, seq_len=seq_len,
-                  batch=batch, mode="compiled" if compiled else "eager", ac=ac, float8=float8 or "off",
+                  batch=batch, mode="compiled" if compiled else "eager",
+                  ac=ac + "".join(f"+{m}" for m in recompute_modules), float8=float8 or "off",
                   step_ms=round(timed["step_s"] * 1e3, 2), tokens_per_s=round(tps, 1),
                   peak_mem_gib=round(timed["peak"], 4), warmup_s=round(timed["warmup_s"], 1),
                   tflops=round(tps * flops_per_token(args, seq_len) / 1e12, 1), loss=timed["loss"],
@@ -275,6 +278,9 @@ def main() -> None:
     p.add_argument("--runs", default="eager:none,compiled:none,eager:full,compiled:full",
                    help="comma-separated mode:ac[:fp8] specs, mode in {eager, compiled}, ac in {none, full, selective, "
                         "auto}; a third field fp8 runs the FP8 serving split ([float8] defaults, --float8-recipe)")
+    p.add_argument("--recompute-modules", default="",
+                   help="activation_checkpoint.recompute_modules for the selective runs, comma-separated (kda, mhc, "
+                        "indexer, mla_up_proj, sparse_attn, moe, mlp)")
     p.add_argument("--float8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
@@ -297,6 +303,10 @@ def main() -> None:
                     "row: drop --scope train / --docs")
         a.scope = "reference"
     a.scope = a.scope or "train"
+    recompute = tuple(m for m in a.recompute_modules.split(",") if m)
+    unknown = set(recompute) - set(RECOMPUTE_MODULES)
+    if unknown:
+        p.error(f"--recompute-modules: unknown {sorted(unknown)}; choose from {list(RECOMPUTE_MODULES)}")
     seq_lens = SWEEP if a.seq_len == "sweep" else tuple(int(t) for t in a.seq_len.split(","))
     if not torch.cuda.is_available() and a.flavor != "debug":
         print(f"benchmark.py: flavor {a.flavor!r} needs a CUDA GPU and none is visible (the debug flavor runs on CPU).",
@@ -336,7 +346,7 @@ def main() -> None:
                             steps=a.steps, warmup=a.warmup, device=device, dtype=getattr(torch, a.dtype),
                             backend=a.backend, scope=a.scope, profile=a.profile, indexer_kl=a.indexer_kl, docs=a.docs,
                             tile_elements=tile_elements, float8=a.float8_recipe if fp8 == ["fp8"] else None,
-                            weights=weights)
+                            weights=weights, recompute_modules=recompute)
             except torch.cuda.OutOfMemoryError as e:
                 r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=ac,
                          float8=a.float8_recipe if fp8 == ["fp8"] else "off", oom=str(e).split(".")[0])
