@@ -8,6 +8,10 @@
 #   the sparse indexer KL (SWEEP_SEQ, SWEEP_RUNS, SWEEP_KL; one compile per T, so split long sweeps across calls).
 #   serving: the CUDA decode tests (FLA recurrent KDA, prefill states, sparse MLA over the latent cache, debug model
 #   decode == forward), scripts/rollout_agreement.py on the proxy (ROLLOUT_PRECISIONS) and scripts/bench_decode.py.
+#   multigpu (issue 15; needs a multi-GPU kind): train.py on the proxy with FSDP2 x EP over N GPUs for each N in
+#   MULTI_N (default 1 2 4 8, up to the GPUs present), FP8 split on, MULTI_STEPS steps, one log per N (tokens/s,
+#   MFU, peak memory per GPU in its metric lines; weak scaling = tokens/s per GPU at N / at 1); then CP = 2 x EP on
+#   T = MULTI_CP_SEQ (32768). NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the device README asks.
 # FLA autotunes every Triton kernel per shape on a fresh machine (minutes per shape) and keeps the result in
 # the Triton cache (*.autotune.json). The caches live under .gpu_cache/live (git ignores it; a warm device machine
 # keeps it between calls). At the end the autotune results alone are packed into $OUT/fla_autotune.tgz (KBs; the
@@ -66,6 +70,22 @@ case " $STAGES " in *" serving "*)
       --prompt-len 512 --continuation-len 128 --json "$OUT/rollout_agreement.json" 2>&1 | tee "$OUT/rollout_agreement.log"
   timeout "${DECODE_BENCH_TIMEOUT:-400}" python3 scripts/bench_decode.py --flavor glm5_3_flash_proxy --batch 1,64 \
       --prompt-len 512 --steps 64 --json "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.log" ;;
+esac
+case " $STAGES " in *" multigpu "*)
+  ngpu=$(nvidia-smi -L | wc -l)
+  export NCCL_NVLS_ENABLE=0
+  for n in ${MULTI_N:-1 2 4 8}; do
+    [ "$n" -le "$ngpu" ] || continue
+    timeout "${MULTI_TIMEOUT:-900}" torchrun --nproc-per-node "$n" train.py --config train_configs/glm5_3_flash_proxy.toml \
+        --parallelism.expert_parallel_degree "$n" --float8.enable true --training.steps "${MULTI_STEPS:-50}" \
+        --metrics.log_freq 5 --job.dump_folder "$OUT/multigpu_n$n" 2>&1 | tee "$OUT/multigpu_n$n.log"
+  done
+  if [ "$ngpu" -ge 2 ]; then
+    timeout "${MULTI_TIMEOUT:-900}" torchrun --nproc-per-node "$ngpu" train.py --config train_configs/glm5_3_flash_proxy.toml \
+        --parallelism.context_parallel_degree 2 --parallelism.expert_parallel_degree "$ngpu" --float8.enable true \
+        --training.seq_len "${MULTI_CP_SEQ:-32768}" --training.steps "${MULTI_STEPS:-50}" --metrics.log_freq 5 \
+        --job.dump_folder "$OUT/multigpu_cp2" 2>&1 | tee "$OUT/multigpu_cp2.log"
+  fi ;;
 esac
 case " $STAGES " in *" train "*)
   timeout "${TRAIN_TIMEOUT:-300}" torchrun --nproc-per-node 1 train.py --config train_configs/debug_model.toml \

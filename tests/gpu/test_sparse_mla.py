@@ -62,19 +62,27 @@ def test_triton_matches_reference_bf16(seqlen):
         assert _max_ratio(got, want) < 5 * rms, (name, _max_ratio(got, want))
 
 
-def test_triton_matches_reference_fp32_and_lse():
-    q, kv, idx = _inputs(2048, torch.float32, seed=1)
-    idx[0, 100] = -1  # a query without any token
+def test_fp32_takes_the_reference():
+    q, kv, idx = _inputs(512, torch.float32, seed=1)
     out, lse = torch.ops.torchtitan_glm.sparse_mla_fwd(q, kv, idx, SCALE)
     ref, ref_lse = sparse_mla_reference(q, kv, idx, scale=SCALE)
-    assert _max_ratio(out, ref) < 1e-4 and out[0, 100].abs().max() == 0
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
+def test_triton_lse_empty_rows_and_head_major_bf16():
+    q, kv, idx = _inputs(2048, torch.bfloat16, seed=1)
+    idx[0, 100] = -1  # a query without any token
+    out, lse = torch.ops.torchtitan_glm.sparse_mla_fwd(q, kv, idx, SCALE)
+    ref, ref_lse = sparse_mla_reference(q.float(), kv.float(), idx, scale=SCALE)
+    assert _rms_ratio(out, ref) < 1e-2 and out[0, 100].abs().max() == 0
     assert torch.isneginf(lse[0, 100]).all()
     fin = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse[fin], ref_lse[fin], rtol=1e-5, atol=1e-5)
+    assert torch.equal(fin, torch.isfinite(lse))
+    torch.testing.assert_close(lse[fin], ref_lse[fin], rtol=1e-3, atol=1e-3)  # FP32 logits of BF16 inputs
     dout = torch.randn_like(out)
     dq, dkv = torch.ops.torchtitan_glm.sparse_mla_bwd(dout, q, kv, idx, out, lse, SCALE)
-    rdq, rdkv = sparse_mla_reference_bwd(dout, q, kv, idx, ref, ref_lse, scale=SCALE)
-    assert _max_ratio(dq, rdq) < 1e-4 and _max_ratio(dkv, rdkv) < 1e-4
+    rdq, rdkv = sparse_mla_reference_bwd(dout.float(), q.float(), kv.float(), idx, ref, ref_lse, scale=SCALE)
+    assert _rms_ratio(dq, rdq) < 2e-2 and _rms_ratio(dkv, rdkv) < 2e-2
     assert dq[0, 100].abs().max() == 0
     # A head-major q (the absorbing einsum's layout) is read in place; out and dq come back in that layout.
     hq = q.transpose(1, 2).contiguous().transpose(1, 2)
@@ -82,10 +90,12 @@ def test_triton_matches_reference_fp32_and_lse():
     hdq, hdkv = torch.ops.torchtitan_glm.sparse_mla_bwd(dout.transpose(1, 2).contiguous().transpose(1, 2), hq, kv, idx,
                                                         hout, hlse, SCALE)
     assert hout.stride() == hq.stride() and hdq.stride() == hq.stride()
-    assert _max_ratio(hout, ref) < 1e-4 and _max_ratio(hdq, rdq) < 1e-4 and _max_ratio(hdkv, rdkv) < 1e-4
+    assert _rms_ratio(hout, out) < 1e-3 and torch.equal(torch.isfinite(hlse), torch.isfinite(lse))
+    assert _rms_ratio(hdq, dq) < 1e-3 and _rms_ratio(hdkv, dkv) < 1e-3  # dkv's atomic adds reorder
 
 
-def test_deterministic_mode_uses_the_reference_backward():
+def test_deterministic_mode_uses_the_reference_backward(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses deterministic mode without it
     q, kv, idx = _inputs(1024, torch.bfloat16, seed=2)
     out, lse = torch.ops.torchtitan_glm.sparse_mla_fwd(q, kv, idx, SCALE)
     dout = torch.randn_like(out)

@@ -76,6 +76,6 @@ def test_init_follows_reference_conventions():
 def test_learned_hc_head_option_runs():
     torch.manual_seed(0)
     model = Glm5Model(get_flavor("debug").replace(hc_head="learned"))
-    logits = model(torch.randint(0, 512, (1, 9)))
+    logits = model.logits(torch.randint(0, 512, (1, 9)))
     assert logits.shape == (1, 9, 512) and torch.isfinite(logits).all()
     assert {"hc_head.fn", "hc_head.base", "hc_head.scale"} <= set(dict(model.named_parameters()))

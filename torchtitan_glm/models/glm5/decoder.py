@@ -36,6 +36,9 @@ class DecoderLayer(nn.Module):
         self.layer_idx = layer_idx
         self.is_dsa = args.layer_types[layer_idx] == DSA
         self.is_moe = args.mlp_layer_types[layer_idx] == "sparse"
+        # Only a 'shared' DSA layer reads the previous selection; the others get None, so every layer of one kind
+        # compiles to the same graph wherever it sits.
+        self.shares_indices = self.is_dsa and args.indexer_types[layer_idx] == "shared"
         hc = dict(hidden_size=args.hidden_size, hc_mult=args.hc_mult, sinkhorn_iters=args.hc_sinkhorn_iters,
                   hc_eps=args.hc_eps, norm_eps=args.rms_norm_eps, fp32_mixing=args.mhc_fp32_mixing)
         self.attn_hc = HyperConnection(**hc)

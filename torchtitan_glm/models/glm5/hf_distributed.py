@@ -50,7 +50,7 @@ from torchtitan_glm.float8 import plain_tensors
 from .hf_io import (
     CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, _checkpoint_files, _export_config,
     _fp8_export_names, _fp32_hf_names, _indexer_hf_modules, _plan_shards, _publish, _quantization_config, _read_json,
-    _scan, fp8_quantization_config,
+    _open_files, _scan, fp8_quantization_config,
 )
 from .model import Glm5Model
 from .state_dict_adapter import (
@@ -173,14 +173,7 @@ def load_hf_weights_into(model: nn.Module, hf_dir: str | os.PathLike, *,
     if stray:
         raise OSError(f"{hf_dir} holds safetensors files its index does not list: {stray}; move them away")
     with ExitStack() as stack:
-        from safetensors import safe_open
-
-        handles = {}
-        for path in files:
-            try:
-                handles[path] = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-            except Exception as e:  # safetensors raises its own error types for corrupt headers
-                raise OSError(f"cannot open {path}: {e}") from e
+        handles = _open_files(stack, files)
         where, meta = _scan(handles, weight_map)
     pairs = adapter.split_fp8_scales(meta, block=block, modules_to_not_convert=quant.get("modules_to_not_convert") or ())
     scales = set(pairs.values())

@@ -92,6 +92,19 @@ def _checkpoint_files(hf_dir: Path) -> tuple[list[Path], dict[str, str]]:
     raise OSError(f"no {SINGLE_FILE} or {INDEX_FILE} in {hf_dir} (found: {found})")
 
 
+def _open_files(stack: ExitStack, files: list[Path]) -> dict[Path, Any]:
+    """path -> open safetensors handle (closed with `stack`); a corrupt header is an OSError naming the file."""
+    from safetensors import safe_open
+
+    handles = {}
+    for path in files:
+        try:
+            handles[path] = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise OSError(f"cannot open {path}: {e}") from e
+    return handles
+
+
 def _scan(handles: Mapping[Path, Any], weight_map: Mapping[str, str]) -> tuple[dict[str, Path], dict[str, tuple]]:
     """name -> file and name -> (dtype, shape) from the headers only; index and files must agree."""
     where: dict[str, Path] = {}
@@ -153,14 +166,7 @@ def from_pretrained(
     files, weight_map = _checkpoint_files(hf_dir)
 
     with ExitStack() as stack:
-        from safetensors import safe_open
-
-        handles = {}
-        for path in files:
-            try:
-                handles[path] = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-            except Exception as e:  # safetensors raises its own error types for corrupt headers
-                raise OSError(f"cannot open {path}: {e}") from e
+        handles = _open_files(stack, files)
         where, meta = _scan(handles, weight_map)
         pairs = adapter.split_fp8_scales(meta, block=block, modules_to_not_convert=not_convert)
         scales = set(pairs.values())

@@ -136,7 +136,7 @@ class Glm5Model(nn.Module):
         indexer_stats: list[IndexerStats] = []
         prev_indices = None
         for layer in self.layers.values():
-            streams, indices, stats, mstats = layer(streams, batch, prev_indices)
+            streams, indices, stats, mstats = layer(streams, batch, prev_indices if layer.shares_indices else None)
             prev_indices = indices if indices is not None else prev_indices
             if stats is not None:
                 indexer_stats.append(stats)

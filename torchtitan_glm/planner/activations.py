@@ -1,0 +1,370 @@
+"""Activation memory of one block, by layer type and regime: what autograd keeps for the backward, and the working
+set that exists only while the block runs.
+
+Regimes: `eager` (no AC, eager autograd), `compiled` (no AC, inductor's min-cut partition of each compiled block),
+`selective` (activation_checkpoint.py's policy: outputs of matmuls, attention and the KDA kernel are saved, the rest is
+recomputed; the same eager or compiled) and `full` (only the block's inputs are saved).
+
+The inventories below were read off the blocks' code and checked against the tensors autograd really saves, block by
+block, on CPU (tests/unit/test_planner_activations.py measures them with saved-tensor hooks, eager and inductor-
+compiled, on a small model with distinct widths). Two things differ on CUDA and are modelled for `device="cuda"`:
+FLA's KDA forward also saves its intra-chunk matrices Aqk and Akk ([N, H, 64] each), and masked attention runs
+cuDNN's kernel (saving q, k, v, the output, the log-sum-exp and the boolean mask) where the CPU takes the math path
+(FP32 probabilities; the dense warm-up's path only: the sparse path's kernels are custom ops that keep the same
+tensors on every device). Per-token sizes scale with the rank's tokens; attention and indexer terms also with the keys
+a query spans. Tensor parallelism (parallelize.py: heads and MLP columns split, no sequence parallelism) divides
+the terms of the split heads and columns by tp; the streams, norms, mHC, router, routed experts, the MLA latents and
+the indexer are whole on every tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchtitan_glm.models.glm5.args import Glm5ModelArgs
+
+REGIMES = ("eager", "compiled", "selective", "full")
+FLA_CHUNK = 64  # FLA's KDA chunk: its saved Aqk/Akk have this many columns
+
+
+@dataclass(frozen=True)
+class ActContext:
+    """The shapes one rank's blocks see and what the step computes."""
+
+    args: Glm5ModelArgs
+    batch: int  # rows per rank
+    seq: int  # tokens per row on this rank (seq_len / cp)
+    keys: int  # tokens a row spans (seq_len): attention keys and indexer pools
+    act: int = 2  # bytes per activation element (2: BF16 compute, 4: FP32)
+    tp: int = 1
+    device: str = "cuda"
+    fp32_params: bool = True  # FP32-kept parameters are FP32 (trainer); False: cast to BF16 (benchmark)
+    collect_stats: bool = True  # the indexer runs with gradients and returns KL statistics (training)
+    sparse_kl: bool = False  # the KL over the selected pools only (loss.indexer_sparse_loss)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def pools(self) -> int:
+        return self.keys // self.args.index_kpool
+
+
+class _Terms:
+    """Named byte counts: per-token terms (x this rank's tokens; / tp where the tensor-parallel plan splits the heads
+    or columns the term belongs to) and fixed ones (per block, independent of tokens)."""
+
+    def __init__(self, ctx: ActContext) -> None:
+        self.ctx = ctx
+        self.out: dict[str, float] = {}
+
+    def tok(self, name: str, per_token: float, *, heads: bool = False) -> None:
+        self.out[name] = self.out.get(name, 0.0) + per_token * self.ctx.tokens / (self.ctx.tp if heads else 1)
+
+    def fixed(self, name: str, nbytes: float) -> None:
+        self.out[name] = self.out.get(name, 0.0) + nbytes
+
+
+# ------------------------------------------------------------------------------------------ sub-blocks
+def _mhc_site(t: _Terms, regime: str) -> None:
+    """One HyperConnection site (two per decoder layer): its input streams, the FP32 mapping, Sinkhorn, the merge."""
+    c, a = t.ctx, t.ctx.act
+    d, n, it = c.args.hidden_size, c.args.hc_mult, c.args.hc_sinkhorn_iters
+    width = (2 + n) * n
+    cast = a != 4  # post/comb cast to the streams' dtype (a no-op for FP32 streams)
+    if regime == "full":
+        return
+    if regime == "selective":
+        t.tok("mhc", 4 * width)  # the fn matmul's FP32 output
+        return
+    t.tok("streams", n * d * a)  # the site's input streams
+    if not c.fp32_params:
+        t.fixed("mhc", width * n * d * 4)  # fn.float(): an FP32 copy of the BF16-cast weight
+    if regime == "compiled":
+        t.tok("mhc", 4 * n * d + 4 * n * n + 8 * n + 4 + (2 * n * n + 2 * n if cast else 0))
+        return
+    fp32_mix = c.args.mhc_fp32_mixing
+    per_site = 8 * n * d + 4  # streams.float() and the RMS-scaled copy, rsqrt
+    per_site += 4 * width + 3 * 4 * n  # the mapping output, sigmoid outputs, pre (+eps)
+    per_site += 4 * n * n * 2 * it + 4 * n * (2 * it - 1)  # Sinkhorn: every division keeps both operands
+    if fp32_mix:  # merge in FP32: post, block output and residual cast to FP32
+        per_site += 4 * n + 4 * d + 4 * n * d + 4 * n * n
+    else:
+        per_site += (a * n + a * n * n if cast else 4 * n + 4 * n * n) + d * a  # post, comb (casts), block output
+    t.tok("mhc", per_site)
+
+
+def _norm(t: _Terms, regime: str, width: int, name: str = "norms") -> None:
+    """RMSNorm over `width`: eager keeps x.float(), rsqrt and the cast; compiled keeps the output (a GEMM's input)."""
+    a = t.ctx.act
+    if regime == "eager":
+        t.tok(name, 4 * width + 4 + width * a)
+    elif regime == "compiled":
+        t.tok(name, width * a + 4)
+
+
+def _kda(t: _Terms, regime: str) -> None:
+    c, a = t.ctx, t.ctx.act
+    d, h, k, w = c.args.hidden_size, c.args.linear_num_heads, c.args.linear_head_dim, c.args.linear_conv_kernel_dim
+    hk = h * k
+    residuals = 2 * h * FLA_CHUNK * a if c.device == "cuda" else 0
+    if regime == "full":
+        return
+    if residuals:
+        t.tok("kda_fla_residuals", residuals, heads=True)
+    if regime == "selective":  # q, k, v, f_b, b, g_b projections and the KDA output (heads); f_a, g_a; o_proj
+        t.tok("kda", (3 * hk + hk + h + hk + hk) * a, heads=True)
+        t.tok("kda", 2 * k * a + d * a)
+        return
+    if regime == "compiled":
+        t.tok("kda", 3 * hk * a + 3 * hk * a  # projections and their conv outputs
+              + 3 * (w - 1) * 4 * hk  # the shifted conv taps, FP32
+              + 4 * hk + 4 * hk * a  # decay (FP32); f_b, KDA output, g_b, o_norm output
+              + 4 * h + h * a, heads=True)  # o_norm rsqrt, beta
+        t.tok("kda", 2 * k * a + (w - 1) + 8)  # f_a/g_a outputs, tap masks, positions
+        t.tok("block_out", d * a)  # o_proj output
+        return
+    if not c.fp32_params:
+        t.fixed("kda", 3 * hk * w * 4 + k * 4)  # conv weights / o_norm weight .float() copies
+    t.tok("kda", 3 * ((w + 1) * 4 * hk + (w - 1) * 4)  # per conv: x.float(), W-1 shifted taps, SiLU input; masks
+          + 3 * hk * a  # q, k, v (the kernel's inputs)
+          + 3 * 4 * hk  # decay: gate, sigmoid output, the kernel's g
+          + h * a  # beta
+          + 4 * 4 * hk + 4 * h  # gated RMSNorm: x.float(), scaled, y, sigmoid(gate); rsqrt
+          + hk * a, heads=True)  # o_proj input
+    t.tok("kda", d * a + 2 * k * a + 8)  # the projections' input, f_a/g_a outputs, document ids
+
+
+def selected_tokens(args: Glm5ModelArgs, keys: int) -> int:
+    """K: tokens each query attends on the sparse path (the selected pools' tokens, then the incomplete tail)."""
+    pools = min(args.index_topk // args.index_kpool, keys // args.index_kpool)
+    return pools * args.index_kpool + (args.index_kpool - 1 if args.index_kpool_always_select_tail else 0)
+
+
+def _dsa(t: _Terms, regime: str, *, indexer: bool) -> None:
+    """The DSA block: q/kv latents, the absorbed sparse MLA (ops/sparse_mla.py) over the indexer's token indices,
+    the indexer's tiled top-k and KL (ops/indexer_topk.py, ops/indexer_kl.py: the KL's gradients are formed in the
+    forward and kept). In the dense warm-up stage (`dsa_attention="dense"`) masked SDPA instead."""
+    c, a = t.ctx, t.ctx.act
+    args = c.args
+    d, h = args.hidden_size, args.num_attention_heads
+    dqk, dv, ql, kvl = args.qk_head_dim, args.v_head_dim, args.q_lora_rank, args.kv_lora_rank
+    ih, idim, kp = args.index_n_heads, args.index_head_dim, args.index_kpool
+    keys = c.keys
+    sparse = args.dsa_attention == "sparse"
+    big_k = selected_tokens(args, keys)
+    k_pools = min(args.index_topk // kp, keys // kp)
+    kl = indexer and c.collect_stats  # the indexer's KL runs (and keeps its gradients) only in training
+    kl_grads = 4 * ih * idim + 4 * ih + 4 * idim / kp  # dq, dw (per token), dpk (per pool)
+    if regime == "full":
+        return
+    if regime == "selective":  # matmul/bmm outputs and the custom ops' outputs (not recomputable)
+        t.tok("mla", (ql + kvl + d) * a)  # q_a, kv_a, o_proj
+        t.tok("mla", h * dqk * a, heads=True)  # q_b
+        if sparse:
+            t.tok("attention", 2 * h * kvl * a + h * dv * a + 4 * h, heads=True)  # absorbed q, output; w_uv; lse
+            if indexer:
+                t.tok("indexer", 8 * k_pools)  # the selected pool ids
+        else:
+            t.tok("attention", (h * (dqk + dv) + h * dv) * a + 4 * h, heads=True)  # kv_b, SDPA output, lse
+        if kl:
+            t.tok("indexer", 2 * idim * a + kl_grads)  # wk and KPool gate outputs; the KL's gradients
+        return
+    if regime == "compiled":
+        t.tok("mla", 2 * ql * a + 2 * kvl * a + 2 * 4)  # q_a/kv_a outputs and their normalised copies, rsqrt
+        t.tok("mla", h * dqk * a + h * dv * a, heads=True)  # q_b output, o_proj input
+        if sparse:
+            t.tok("attention", 2 * h * kvl * a + 4 * h, heads=True)  # absorbed q, output, lse
+            t.tok("attention", 4 * big_k)  # int32 token indices
+        else:
+            t.tok("attention", (h * (dqk + dv) + h * dv) * a + 4 * h, heads=True)  # kv_b, SDPA output, lse
+            t.tok("attention", keys)  # the boolean mask
+        t.tok("block_out", d * a)
+        if kl:
+            t.tok("indexer", kl_grads + 2 * idim * a + 8 + 8)  # gradients, wk/gate outputs, slot ids, LN stats
+        return
+    # eager
+    t.tok("mla", d * a + (4 * ql + 4 + ql * a) + ql * a + (4 * kvl + 4 + kvl * a))  # input, q_a/kv_a norms, qr
+    t.tok("mla", h * dqk * a + h * dv * a, heads=True)  # q_b output (absorption), o_proj input
+    if sparse:
+        t.tok("attention", 2 * h * kvl * a + 4 * h, heads=True)
+        t.tok("attention", kvl * a + 4 * big_k)  # the latent, int32 token indices
+    else:
+        t.tok("attention", (h * (dqk + dv) + h * dv) * a + 4 * h, heads=True)
+        t.tok("attention", kvl * a + keys * a)  # the latent, the float bias
+    if kl:
+        if not c.fp32_params:
+            t.fixed("indexer", kp * idim * 4)
+        acc = 8 * idim if args.kpool_fp32_accumulate else 4 * idim + 2 * idim * a
+        t.tok("indexer", kl_grads + idim * a + 2 * a + 8 + acc)  # gradients; wk output, LN stats; KPool softmax
+
+
+def _dense_mlp(t: _Terms, regime: str, width: int, name: str) -> None:
+    a, d = t.ctx.act, t.ctx.args.hidden_size
+    if regime == "full":
+        return
+    if regime == "selective":
+        t.tok(name, 2 * width * a, heads=True)  # gate, up outputs
+        t.tok(name, d * a)  # down output
+    elif regime == "compiled":
+        t.tok(name, 3 * width * a, heads=True)  # gate, up, their SwiGLU product
+    else:
+        t.tok(name, 6 * width * a, heads=True)  # SwiGLU's clamps and products, down input
+        t.tok(name, d * a)  # input
+
+
+def _moe(t: _Terms, regime: str) -> None:
+    c, a = t.ctx, t.ctx.act
+    args = c.args
+    d, e, k, ie = args.hidden_size, args.n_routed_experts, args.num_experts_per_tok, args.moe_intermediate_size
+    shared = ie * args.n_shared_experts
+    if regime == "full":
+        return
+    if regime == "selective":  # router matmul, shared expert GEMMs; the grouped GEMMs are recomputed
+        t.tok("router", 4 * e)
+        _dense_mlp(t, regime, shared, "shared_expert")
+        return
+    if not c.fp32_params:
+        t.fixed("router", e * d * 4)  # weight.float()
+    if regime == "compiled":
+        t.tok("router", 4 * d + 4 * e + 3 * 8 * k + 4 * k + 2 * k)  # FP32 input, logits, ids/order/token, weights
+        t.tok("experts", 2 * k * d * a + 3 * k * ie * a)  # gathered rows, down output; gate, up, SwiGLU
+        _dense_mlp(t, regime, shared, "shared_expert")
+        t.tok("block_out", 2 * d * a)  # the combine buffer and the MoE output
+        return
+    t.tok("router", 4 * d + 4 * e + 8 * k + 4 * k + 4)  # FP32 input, sigmoid, top-k ids, weights, norm
+    t.tok("experts", 2 * 8 * k + 2 * k + 3 * k * d * a + k * ie * a + 5 * k * ie * a)
+    _dense_mlp(t, regime, shared, "shared_expert")
+
+
+# --------------------------------------------------------------------------------------------- blocks
+def saved(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bool = False) -> dict[str, float]:
+    """Bytes one block keeps from its forward to its backward, by term (kind: kda_dense | kda_moe | dsa_dense |
+    dsa_moe | mtp)."""
+    if regime not in REGIMES:
+        raise ValueError(f"unknown regime {regime!r}; choose from {REGIMES}")
+    t = _Terms(ctx)
+    args, a = ctx.args, ctx.act
+    d, n = args.hidden_size, args.hc_mult
+    # [B, T] int64 inputs a checkpointed block keeps: document ids and positions (full AC: the DSA blocks' document
+    # keys too)
+    ints = 8 * (3 if regime == "full" and ("dsa" in kind or kind == "mtp") else 2)
+    if kind == "mtp":
+        if regime != "eager":  # trunk hidden states, next-token embeddings (eager keeps their FP32 copies instead)
+            t.tok("inputs", 2 * d * a + (ints if regime in ("full", "selective") else 0))
+        if regime == "full":
+            return t.out
+        if regime == "compiled":
+            t.tok("mtp", 2 * d * a + 5 * d * a + 5 * 4)  # eh_proj input; x, x + a, x + m and two norm outputs
+        elif regime == "eager":
+            t.tok("mtp", 5 * (4 * d + 4 + d * a) + 2 * d * a)  # five norms, the eh_proj input
+        else:
+            t.tok("mtp", d * a)  # eh_proj output
+        _dsa(t, regime, indexer=True)
+        _moe(t, regime)
+        if regime == "compiled":  # the residual adds need neither the attention output nor the MoE output
+            t.out["block_out"] -= 2 * d * a * ctx.tokens / ctx.tp
+        return t.out
+    if regime == "full":
+        t.tok("inputs", n * d * a + ints)
+        return t.out
+    if regime == "selective":
+        t.tok("inputs", n * d * a + ints)
+        t.tok("streams", n * d * a)  # the attention site's merge matmul (bmm) output
+    elif regime == "compiled":
+        t.tok("norms", d * a)  # the attention site's collapsed input
+    for _ in range(2):
+        _mhc_site(t, regime)
+    _norm(t, regime, d)
+    _norm(t, regime, d)
+    if kind.startswith("kda"):
+        _kda(t, regime)
+    else:
+        _dsa(t, regime, indexer=not shared_indexer)
+    if kind.endswith("moe"):
+        _moe(t, regime)
+    else:
+        _dense_mlp(t, regime, args.intermediate_size, "mlp")
+        if regime == "compiled":
+            t.tok("block_out", d * a)
+    return t.out
+
+
+# ----------------------------------------------------------------------------------------- working sets
+def _per_token(ctx: ActContext, nbytes: float, *, heads: bool = False) -> float:
+    return nbytes * ctx.tokens / (ctx.tp if heads else 1)
+
+
+def forward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bool = False) -> float:
+    """Bytes a block allocates during its forward beyond what it keeps (freed when it returns): under AC the
+    intermediates it does not keep (its compiled inventory), and in every regime the kernels' workspaces and the
+    indexer's query tiles. An estimate from the code (not measured per block)."""
+    args, a = ctx.args, ctx.act
+    work = 0.0
+    if regime in ("full", "selective"):
+        kept = sum(saved(kind, regime, ctx, shared_indexer=shared_indexer).values())
+        work += max(0.0, sum(saved(kind, "compiled", ctx, shared_indexer=shared_indexer).values()) - kept)
+    d, n = args.hidden_size, args.hc_mult
+    work += _per_token(ctx, n * d * a)  # the block's output streams
+    if kind.startswith("kda"):
+        h, k = args.linear_num_heads, args.linear_head_dim
+        # FLA chunk_kda forward: normalised q/k, w, u, v_new, the FP32 gate cumsum and the chunk states [T/64, H, K, V]
+        work += _per_token(ctx, 5 * h * k * a + 4 * h * k + h * k * k * a / FLA_CHUNK, heads=True)
+    if "dsa" in kind or kind == "mtp":
+        work += _dsa_forward_work(ctx, indexer=not shared_indexer)
+    if kind.endswith("moe") or kind == "mtp":
+        work += _per_token(ctx, args.num_experts_per_tok * d * a + d * a)  # weighted expert rows, the combine
+    return work
+
+
+def _dsa_forward_work(ctx: ActContext, *, indexer: bool) -> float:
+    args, a = ctx.args, ctx.act
+    if args.dsa_attention == "dense":  # the dense warm-up: causal mask and the float bias made from it
+        work = _per_token(ctx, ctx.keys * (1 + a))
+    else:
+        work = 0.0
+    if indexer:
+        # the tiled top-k and KL hold a few FP32 tiles of at most indexer_tile_elements (scores, logits,
+        # probabilities), or of the whole [tokens, width] problem when that is smaller
+        width = max(args.index_n_heads * ctx.pools, args.num_attention_heads * ctx.keys)
+        tiles = 3 * 4 * min(args.indexer_tile_elements, ctx.tokens * width)
+        if ctx.collect_stats:
+            work += tiles + _per_token(ctx, 4 * args.kv_lora_rank)  # + the latent in FP32
+        elif args.dsa_attention == "sparse":
+            work += tiles / 3
+    return work
+
+
+def backward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bool = False) -> float:
+    """Bytes a block allocates during its backward beyond the activations it kept: the recomputed forward under AC
+    (its compiled inventory less what was kept, and under full AC the indexer's tiles again), and the gradients of
+    its largest intermediates (kernel outputs, expert rows, the streams). An estimate from the code."""
+    args, a = ctx.args, ctx.act
+    d, n = args.hidden_size, args.hc_mult
+    work = 0.0
+    if regime in ("full", "selective"):
+        kept = sum(saved(kind, regime, ctx, shared_indexer=shared_indexer).values())
+        work += max(0.0, sum(saved(kind, "compiled", ctx, shared_indexer=shared_indexer).values()) - kept)
+        if regime == "full" and ("dsa" in kind or kind == "mtp"):
+            work += _dsa_forward_work(ctx, indexer=not shared_indexer)
+    work += _per_token(ctx, 2 * n * d * a)  # gradients of the input and output streams
+    if regime == "eager":
+        work += _per_token(ctx, 3 * 4 * n * d)  # the FP32 gradient chain of the mHC mapping
+    if kind.startswith("kda"):
+        h, k = args.linear_num_heads, args.linear_head_dim
+        # FLA chunk_kda backward: dq, dk, dg in FP32, dv, recomputed chunk states and their FP32 gradients
+        work += _per_token(ctx, 3 * 4 * h * k + h * k * a + h * k * k * (a + 4) / FLA_CHUNK + 2 * 4 * h * FLA_CHUNK,
+                           heads=True)
+    if "dsa" in kind or kind == "mtp":
+        h, dqk, dv, kvl = args.num_attention_heads, args.qk_head_dim, args.v_head_dim, args.kv_lora_rank
+        if args.dsa_attention == "sparse":  # d(absorbed q), d(q_b output), d(o_proj input); FP32 d(latent)
+            work += _per_token(ctx, (h * kvl + h * dqk + h * dv) * a, heads=True) + _per_token(ctx, 4 * kvl)
+        else:  # dq, dk, dv; the bias again
+            work += _per_token(ctx, h * (2 * dqk + dv) * a, heads=True) + _per_token(ctx, ctx.keys * a)
+    if kind.endswith("moe") or kind == "mtp":
+        k, ie = args.num_experts_per_tok, args.moe_intermediate_size
+        work += _per_token(ctx, 2 * k * d * a + 2 * k * ie * a)  # gradients of the expert rows and of gate/up
+    elif kind.endswith("dense"):
+        work += _per_token(ctx, 2 * args.intermediate_size * a, heads=True)
+    return work

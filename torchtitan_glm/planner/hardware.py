@@ -1,0 +1,104 @@
+"""The machine a plan assumes: memory, measured kernel rates and stated network bandwidths.
+
+Measured figures come from one H200 (shared/reference/measured_h200.md, docs/performance.md); the network figures
+are assumptions (no multi-GPU run has been measured), listed with every plan so a reader can replace them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU model and its node. Rates in FLOP/s, bandwidths in bytes/s (per GPU, one direction)."""
+
+    name: str
+    memory_bytes: float  # what torch reports as total_memory
+    peak_bf16: float  # dense BF16 peak, the trainer's MFU denominator (metrics.get_peak_flops)
+    gemm_bf16: float  # measured large BF16 GEMM
+    gemm_grouped_bf16: float  # measured MoE grouped GEMM (proxy profile)
+    fp8_speedup_tensorwise: float  # measured Float8 MLP speed-up over BF16 (torchao, compiled)
+    fp8_speedup_rowwise: float
+    gemm_fp32: float  # measured FP32 (SIMT) GEMM: the indexer scores and KL target run in FP32
+    attention_masked: float  # measured dense masked attention (cuDNN, boolean mask), FLOP/s over all T x T pairs
+    attention_sparse: float  # assumption: the sparse absorbed-MLA Triton kernels (not timed on this GPU yet)
+    kda_fwd_bwd_s_per_token_head: float  # measured FLA chunk_kda forward + backward
+    kda_fwd_s_per_token_head: float  # measured FLA chunk_kda forward alone
+    fused_ce_s_per_token: float  # measured fused LM-head CE forward + backward, D=4096, vocab=154880
+    hbm_bandwidth: float  # measured device-to-device copy (bytes read + written per second)
+    gpus_per_node: int
+    nvlink_busbw: float  # assumption: NCCL all-gather/reduce-scatter bus bandwidth inside a node
+    ib_busbw: float  # assumption: the same across nodes (one 400 Gb/s NIC per GPU)
+    a2a_efficiency: float  # assumption: all-to-all bandwidth as a fraction of the bus bandwidth of its span
+    collective_latency_s: float  # assumption: fixed cost per collective call
+    # measured (derived): memory-bound time per token and decoder block by AC regime, the proxy benchmark's step
+    # less every modelled term (docs/performance.md, planner section)
+    elementwise_s_per_token_block: dict = dataclasses.field(default_factory=dict)
+
+    def assumptions(self) -> list[str]:
+        g = 1e9
+        return [
+            f"GPU {self.name}: {self.memory_bytes / GIB:.1f} GiB, dense BF16 peak {self.peak_bf16 / 1e12:.0f} TFLOP/s "
+            "(the trainer's MFU denominator)",
+            f"measured: BF16 GEMM {self.gemm_bf16 / 1e12:.0f} TFLOP/s, MoE grouped GEMM "
+            f"{self.gemm_grouped_bf16 / 1e12:.0f} TFLOP/s, FP8 speed-up x{self.fp8_speedup_tensorwise} tensorwise / "
+            f"x{self.fp8_speedup_rowwise} rowwise, FP32 GEMM {self.gemm_fp32 / 1e12:.0f} TFLOP/s, masked attention "
+            f"{self.attention_masked / 1e12:.0f} TFLOP/s (all T x T pairs), FLA KDA "
+            f"{self.kda_fwd_bwd_s_per_token_head * 1e9:.1f} ns per token-head fwd+bwd, fused CE "
+            f"{self.fused_ce_s_per_token * 1e6:.2f} us per token, HBM {self.hbm_bandwidth / 1e12:.1f} TB/s",
+            f"assumed: sparse DSA attention {self.attention_sparse / 1e12:.0f} TFLOP/s (not timed on the GPU yet); "
+            f"network: {self.gpus_per_node} GPUs per node, NVLink bus bandwidth {self.nvlink_busbw / g:.0f} "
+            f"GB/s, InfiniBand {self.ib_busbw / g:.0f} GB/s per GPU, all-to-all at {self.a2a_efficiency:.0%} of "
+            f"those, {self.collective_latency_s * 1e6:.0f} us per collective",
+        ]
+
+
+# H200 SXM. Sources: measured_h200.md (GEMM 749, FP8 MLP speed-ups 1.59x/1.31x at D=4096, chunk_kda 21.8 ms fwd+bwd
+# and 4.34 ms fwd for T=32768 x H=32, d2d ~4 TB/s); docs/performance.md (grouped expert GEMMs 37.0 ms for
+# 24.7 TFLOP in the proxy profile = 668 TFLOP/s; cuDNN masked attention backward 27.6 ms for two DSA layers at
+# T=4096, 64 heads, d_qk=d_v=256: 2.5 x 2 x 4096^2 x 64 x 512 x 2 FLOP = 5.5 TFLOP -> 199 TFLOP/s; FP32 SIMT dW GEMM
+# 53 TFLOP/s; fused CE 39.2 ms per 4096 tokens). total_memory 139.8 GiB as torch reported it there.
+H200 = GpuSpec(
+    name="H200",
+    memory_bytes=139.8 * GIB,
+    peak_bf16=989e12,
+    gemm_bf16=749e12,
+    gemm_grouped_bf16=668e12,
+    fp8_speedup_tensorwise=1.59,
+    fp8_speedup_rowwise=1.31,
+    gemm_fp32=53e12,
+    attention_masked=199e12,
+    # Unmeasured: half of the measured causal FlashAttention rate (SDPA fwd+bwd, T=32768, 32 heads x 128: 7 x T^2 x
+    # H x d / 2 = 30.8 TFLOP in 57.3 ms = 537 TFLOP/s); scripts/bench_dsa.py measures it.
+    attention_sparse=270e12,
+    kda_fwd_bwd_s_per_token_head=21.8e-3 / (32768 * 32),
+    kda_fwd_s_per_token_head=4.34e-3 / (32768 * 32),
+    fused_ce_s_per_token=39.2e-3 / 4096,
+    hbm_bandwidth=4.0e12,
+    gpus_per_node=8,
+    nvlink_busbw=360e9,
+    ib_busbw=40e9,
+    a2a_efficiency=0.8,
+    collective_latency_s=30e-6,
+    # Residual of the proxy benchmark (current code) after every modelled term, per token and block (9 blocks with
+    # MTP, 8 without): reference scope compiled, no AC: 273.8 ms measured - 203.5 modelled at T=4096 (2.15 us),
+    # 596.0 - 486.9 at T=8192 (1.66 us), mean 1.90 us; training scope, selective: 432.3 - 325.9 ms at T=4096
+    # (2.89 us); full: selective + (61 - 45.3 ms) / (9 x 4096) from the earlier table's full - selective step
+    # difference less the modelled one (3.32 us); eager: compiled + 246 ms / (9 x 4096) (the earlier eager - compiled
+    # difference, no AC) (8.57 us). docs/performance.md, planner section, lists the figures.
+    elementwise_s_per_token_block={"compiled": 1.90e-6, "selective": 2.89e-6, "full": 3.32e-6, "eager": 8.57e-6},
+)
+
+GPUS = {"h200": H200}
+
+
+def get_gpu(name: str, **overrides: float) -> GpuSpec:
+    """A named GPU spec with any field replaced (e.g. ib_busbw=25e9 for a slower fabric)."""
+    key = name.lower()
+    if key not in GPUS:
+        raise ValueError(f"unknown --gpu {name!r}; known: {sorted(GPUS)}")
+    return dataclasses.replace(GPUS[key], **overrides)

@@ -1,0 +1,132 @@
+"""Step time of one rank: compute from measured kernel rates, plus the communication that compute does not hide.
+
+Compute terms (FLOPs from the trainer's own counts, times from measured rates, hardware.py):
+- GEMMs: dense projections at the BF16 GEMM rate (those Float8Linear converts x the measured FP8 speed-up), routed
+  experts at the measured grouped-GEMM rate (x the rowwise FP8 speed-up when FP8), the fused LM-head CE at its
+  measured time per row; full AC recomputes every forward GEMM, selective AC the grouped expert GEMMs (a custom op
+  its policy does not save).
+- KDA at FLA's measured time per token and head; DSA attention as the absorbed sparse MLA over the K selected
+  tokens (an assumed rate: the Triton kernel has not been timed on the H200), or in the dense warm-up masked SDPA
+  over every key (measured cuDNN rate); the indexer's tiled top-k and KL (scores, their gradients and the KL target's
+  logits) run in FP32 at the measured FP32 rate.
+- Memory-bound work (mHC, norms, gates, convs, routing) that no FLOP count sees: a time per token and block, the
+  residual of the measured proxy benchmark after the terms above (hardware.GpuSpec.elementwise_s_per_token_block).
+- The optimizer: fused AdamW and the gradient clip stream 40 bytes per local trainable parameter at HBM speed.
+Communication: FSDP all-gathers and reduce-scatters run on side streams and hide behind the neighbouring unit's
+compute (a unit exposes what its collectives take beyond that compute); expert all-to-all, tensor- and context-
+parallel collectives and the replicated-gradient all-reduce are on the critical path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchtitan_glm.components.metrics import flops_breakdown, flops_per_token
+
+from .activations import ActContext, selected_tokens
+from .comms import Collective, fsdp_collectives, other_collectives
+from .hardware import GpuSpec
+from .layout import Layout
+from .model import ModelInventory
+from .params import local_trainable_elements
+
+OPTIMIZER_BYTES_PER_PARAM = 40  # AdamW: read p, g, m, v and write p, m, v (28 B); clip: norm + scale (12 B)
+
+
+@dataclass
+class TimePlan:
+    step_s: float
+    compute_s: dict[str, float]
+    exposed_comm_s: dict[str, float]
+    collectives: list[Collective]
+    tokens_per_step: int  # global
+    tokens_per_s: float  # global
+    tokens_per_s_per_gpu: float
+    flops_per_token: float
+    mfu: float | None
+
+
+def _layers(inv: ModelInventory, with_mtp: bool) -> list:
+    return [u for u in inv.units if u.kind not in ("embed", "head") and (with_mtp or u.kind != "mtp")]
+
+
+def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime: str, with_mtp: bool,
+                  layout: Layout, train: bool = True) -> dict[str, float]:
+    """Seconds of compute per step on one rank, by term. Tensor parallelism divides the heads' and MLP columns'
+    work; what its plan keeps whole (mHC, norms, router, routed experts, LM head, MLA latents, indexer) every tp rank
+    computes."""
+    args = inv.args
+    tokens = ctx.tokens
+    tp = ctx.tp
+    seq = ctx.keys
+    layers = _layers(inv, with_mtp)
+    n_moe = sum(1 for u in layers if u.kind.endswith("moe") or u.kind == "mtp")
+    n_kda = sum(1 for u in layers if u.kind.startswith("kda"))
+    dsa = [u for u in layers if "dsa" in u.kind or u.kind == "mtp"]
+    n_idx = sum(1 for u in dsa if not u.shared_indexer)
+    d, vocab = args.hidden_size, args.vocab_size
+    fb = flops_breakdown(args if with_mtp else args.replace(num_nextn_predict_layers=0), seq)
+    expert = 6.0 * args.num_experts_per_tok * 3 * d * args.moe_intermediate_size * n_moe
+    heads = 1 + int(with_mtp)
+    dense = fb.params - expert - 6.0 * vocab * d * heads
+    dense *= inv.dense_tp_fraction / tp + (1 - inv.dense_tp_fraction)
+    recompute_fwd = {"full": 1.0, "selective": 0.0}.get(regime, 0.0)
+    fp8 = {"tensorwise": gpu.fp8_speedup_tensorwise}.get(inv.fp8_recipe or "", gpu.fp8_speedup_rowwise)
+    dense_rate = gpu.gemm_bf16 * (1 + inv.dense_fp8_fraction * (fp8 - 1)) if inv.fp8_recipe else gpu.gemm_bf16
+    expert_rate = gpu.gemm_grouped_bf16 * (gpu.fp8_speedup_rowwise if inv.expert_fp8 else 1.0)
+    out = {
+        "dense_gemm": dense * tokens * (1 + recompute_fwd / 3) / dense_rate,
+        "expert_gemm": expert * tokens * (1 + (1 if regime in ("full", "selective") else 0) / 3) / expert_rate,
+        "lm_head_ce": gpu.fused_ce_s_per_token * tokens * heads * (vocab / 154880) * (d / 4096),
+        "kda": n_kda * tokens * args.linear_num_heads / tp * (
+            gpu.kda_fwd_bwd_s_per_token_head + recompute_fwd * gpu.kda_fwd_s_per_token_head),
+    }
+    h, dqk, dv, kvl = args.num_attention_heads, args.qk_head_dim, args.v_head_dim, args.kv_lora_rank
+    ih, idim, kp = args.index_n_heads, args.index_head_dim, args.index_kpool
+    big_k = selected_tokens(args, seq)
+    k_pools = min(args.index_topk // kp, seq // kp)
+    pools = seq // kp
+    if args.dsa_attention == "sparse":  # absorbed MLA over K gathered latents: QK and PV both kv_lora_rank wide
+        attn_fwd = 2.0 * tokens * big_k * h / tp * 2 * kvl
+        out["dsa_attention"] = len(dsa) * attn_fwd * (3.5 + recompute_fwd) / gpu.attention_sparse
+    else:  # dense warm-up: masked SDPA over every key of the row
+        attn_fwd = 2.0 * tokens * seq * h / tp * (dqk + dv)
+        out["dsa_attention"] = len(dsa) * attn_fwd * (3.5 + recompute_fwd) / gpu.attention_masked
+    # the indexer's tiled FP32 ops (causal: on average half the pools / keys of the row), recomputed under full AC
+    topk = 2.0 * tokens * ih * (idim + 1) * pools / 2 if args.dsa_attention == "sparse" else 0.0
+    kl = 0.0
+    if ctx.collect_stats:
+        if ctx.sparse_kl:
+            kl = 6.0 * tokens * ih * idim * k_pools + 2.0 * tokens * big_k * h * kvl
+        else:
+            kl = 6.0 * tokens * ih * idim * pools / 2 + 2.0 * tokens * seq / 2 * h * kvl
+    out["indexer_fp32"] = n_idx * (topk + kl) * (1 + recompute_fwd) / gpu.gemm_fp32
+    out["elementwise"] = gpu.elementwise_s_per_token_block[regime] * tokens * len(layers)
+    if train:
+        out["optimizer"] = OPTIMIZER_BYTES_PER_PARAM * local_trainable_elements(inv, layout) / gpu.hbm_bandwidth
+    return out
+
+
+def plan_time(inv: ModelInventory, layout: Layout, gpu: GpuSpec, ctx: ActContext, *, regime: str, with_mtp: bool,
+              param_bytes: int, reduce_bytes: int, seq_len: int, local_batch: int, train: bool = True) -> TimePlan:
+    compute = compute_terms(inv, gpu, ctx, regime=regime, with_mtp=with_mtp, layout=layout, train=train)
+    total_compute = sum(compute.values())
+    fsdp = fsdp_collectives(inv, layout, gpu, param_bytes=param_bytes, reduce_bytes=reduce_bytes, with_mtp=with_mtp)
+    others = other_collectives(inv, layout, gpu, ctx, regime=regime, with_mtp=with_mtp)
+    # FSDP: each unit's collectives overlap the compute of one unit (its neighbour); compute is spread over units in
+    # proportion to their parameters' FLOPs, approximated here by an even split over the compute-bearing units.
+    units = [u for u in inv.units if u.name in fsdp]
+    per_unit = total_compute / max(1, len(units))
+    exposed_fsdp = sum(max(0.0, sum(c.seconds for c in fsdp[u.name]) - per_unit) for u in units)
+    first_gather = min((c.seconds for c in fsdp.get("embed_tokens", []) if "all-gather" in c.name), default=0.0)
+    exposed = {"fsdp": exposed_fsdp + first_gather}
+    for c in others:
+        exposed[c.name] = exposed.get(c.name, 0.0) + c.seconds
+    step = total_compute + sum(exposed.values())
+    tokens = layout.dp * local_batch * seq_len
+    tps = tokens / step
+    per_gpu = tps / layout.gpus
+    fpt = flops_per_token(inv.args if with_mtp else inv.args.replace(num_nextn_predict_layers=0), seq_len)
+    mfu = per_gpu * fpt / gpu.peak_bf16
+    colls = [c for cs in fsdp.values() for c in cs] + others
+    return TimePlan(step, compute, exposed, colls, tokens, tps, per_gpu, fpt, mfu)
