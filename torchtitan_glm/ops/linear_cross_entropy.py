@@ -4,7 +4,7 @@ Hand-written because no maintained library in our dependency set provides it (Li
 dependencies). Each chunk's softmax gradient is formed right after its loss, so the backward only scales the
 stored d(hidden) and d(weight): 3 GEMMs per chunk (logits, dX, dW) instead of 4 with recompute-checkpointing.
 Several chunks sum their partial dW in an FP32 [vocab, D] buffer; one chunk (tokens <= chunk_size) writes its dW GEMM
-in the weight's dtype and allocates no FP32 buffer (on the proxy's BF16 [154,880, 6,144] head that is 3.5 GiB).
+in the weight's dtype and allocates no FP32 buffer (for the proxy's [154,880, 4,096] head: 2.4 GiB).
 """
 
 from __future__ import annotations
