@@ -207,9 +207,8 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
     with torch.device("meta"):
         model = Glm5Model(args)
     model.to_empty(device=device)
-    if weights is None:
-        model.init_weights()
-    else:
+    model.init_weights()  # every buffer set, whether or not the state dict carries it
+    if weights is not None:
         model.load_state_dict(weights, strict=True)
     model.to(dtype)
     f8 = Float8Config(enable=float8 is not None, recipe=float8 or "tensorwise")
