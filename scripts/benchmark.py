@@ -13,7 +13,20 @@ layer and the indexer KL, the scope of the transformers figure in shared/referen
 head + CE). AC `auto` picks selective up to T = 32K and full above. A run that runs out of memory prints a row
 marked OOM and the sweep goes on. A third field `fp8` in a run (`compiled:selective:fp8`) converts the model to the
 FP8 serving split first (`--float8-recipe`). `--profile` adds one profiled step per run and prints its CUDA kernels
-by total time. Prints one JSON line per run and a markdown table; the proxy needs CUDA.
+by total time. `--recompute-modules kda,mhc` adds activation_checkpoint.recompute_modules to the selective runs
+(their AC column reads `selective+kda+mhc`). Prints one JSON line per run and a markdown table; the proxy needs CUDA.
+
+`--against transformers` first times transformers' own `Glm5NextTextModel` built from the same config (plus a
+bias-free LM head and full-logit FP32 CE: the reference of shared/reference/measured_h200.md), eager, in `--dtype`,
+gradients dropped each step as ours are, on the same tokens; each of our runs then starts from its weights (so both
+report the same loss at init) and its row carries `speed_ratio` (our tokens/s over transformers') and
+`memory_ratio` (our peak over transformers'). It implies `--scope reference` and one document per row (the
+transformers model has no packed-document form):
+
+    python scripts/benchmark.py --against transformers --seq-len 4096,8192 --runs compiled:none
+
+Peak memory is the CUDA allocator's peak; on CPU, eager runs report the peak of live tensor storages during one
+extra step (compiled CPU runs report NaN).
 """
 
 from __future__ import annotations
@@ -21,20 +34,29 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import hashlib
 import json
+import math
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from torchtitan_glm.activation_checkpoint import apply_activation_checkpointing
+from torchtitan_glm.activation_checkpoint import RECOMPUTE_MODULES, apply_activation_checkpointing
 from torchtitan_glm.compile import apply_compile
 from torchtitan_glm.components.loss import indexer_kl_loss
 from torchtitan_glm.components.metrics import flops_per_token
 from torchtitan_glm.config import Float8Config
 from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8
-from torchtitan_glm.models.glm5 import Glm5Model, get_flavor
+from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs, get_flavor
+from torchtitan_glm.models.glm5.hf_modeling import modeling_to_ours
 
 
 SWEEP = (4096, 8192, 16384, 32768, 65536, 131072)
@@ -45,40 +67,55 @@ def auto_ac(seq_len: int) -> str:
     return "selective" if seq_len <= 32768 else "full"
 
 
-def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, steps: int, warmup: int,
-            device: torch.device, dtype: torch.dtype, backend: str, scope: str, profile: bool, indexer_kl: str,
-            docs: int, tile_elements: int, float8: str | None = None) -> dict:
-    args = get_flavor(flavor).replace(indexer_tile_elements=tile_elements)
-    train_scope = scope == "train"
-    if not train_scope:
-        args = dataclasses.replace(args, num_nextn_predict_layers=0)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Glm5Model(args)
-    model.to_empty(device=device)
-    model.init_weights()
-    model.to(dtype)
-    f8 = Float8Config(enable=float8 is not None, recipe=float8 or "tensorwise")
-    convert_float8(model, cfg=f8)  # the serving split, exactly as the trainer converts
-    configure_inductor_for_float8(cfg=f8)
-    apply_activation_checkpointing(model, mode=ac)
-    if compiled:
-        apply_compile(model, backend=backend, components=["model", "loss"])
-    tokens = torch.randint(0, args.vocab_size, (batch, seq_len), device=device)
+class CpuPeak(TorchDispatchMode):
+    """Peak bytes of the tensor storages alive during a CPU step, on top of the given ones (the CPU allocator keeps
+    no peak count as CUDA's does)."""
+
+    def __init__(self, resident: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.base = {StorageWeakRef(t.untyped_storage()).cdata: t.untyped_storage().nbytes() for t in resident}
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        new = False
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                ref = StorageWeakRef(t.untyped_storage())
+                known = self.live.get(ref.cdata)
+                if ref.cdata not in self.base and (known is None or known[0].expired()):
+                    self.live[ref.cdata] = (ref, t.untyped_storage().nbytes())
+                    new = True
+        if new:
+            self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+            self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.base.values()) + self.peak
+
+
+def make_inputs(*, vocab: int, seq_len: int, batch: int, docs: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random tokens (seeded, the same for every run and model), next-token labels (-100 across document ends and
+    at the row end) and equal-length document ids."""
+    tokens = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
     labels = torch.roll(tokens, -1, 1)
     labels[:, -1] = -100
     doc_ids = (torch.arange(seq_len, device=device) * docs // seq_len).expand(batch, seq_len)
     labels[:, :-1].masked_fill_(doc_ids[:, 1:] != doc_ids[:, :-1], -100)
-    n = labels.numel()
+    return tokens, labels, doc_ids
 
-    def step() -> None:
-        out = model(tokens, doc_ids=doc_ids, labels=labels, token_scale=1.0 / n,
-                    mtp_scale=0.1 / n if train_scope else 0.0, indexer_kl=indexer_kl if train_scope else None)
-        loss = (out.loss + indexer_kl_loss(out.indexer_stats)) if train_scope else out.loss
-        loss.backward()
-        for p in model.parameters():
-            p.grad = None
 
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def time_steps(step: Callable[[], torch.Tensor], *, params: list[torch.Tensor], steps: int, warmup: int,
+               device: torch.device, eager: bool) -> dict:
+    """Median step time, peak memory (GiB) and warm-up time of `step` (which returns its loss), and that loss."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     for _ in range(warmup):
@@ -87,35 +124,148 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
     warmup_s = time.perf_counter() - t0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
+    times, loss = [], None
     for _ in range(steps):
         sync()
         t = time.perf_counter()
-        step()
+        loss = step()
         sync()
         times.append(time.perf_counter() - t)
-    step_s = statistics.median(times)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+    elif eager:
+        with CpuPeak(params) as mem:
+            loss = step()
+        peak = mem.peak_bytes / 2**30
+    else:
+        peak = float("nan")
+    return dict(step_s=statistics.median(times), peak=peak, warmup_s=warmup_s, loss=float(loss))
+
+
+def transformers_config(args: Glm5ModelArgs):
+    """transformers' Glm5NextTextConfig for our model args."""
+    from transformers import Glm5NextTextConfig
+
+    return Glm5NextTextConfig(**{k: v for k, v in args.to_hf_config().items()
+                                 if k not in ("model_type", "architectures")})
+
+
+def run_transformers(*, args: Glm5ModelArgs, flavor: str, seq_len: int, batch: int, steps: int, warmup: int,
+                     device: torch.device, dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Time transformers' model (eager, LM head + full-logit CE); its row, and its weights (on the CPU) under our
+    names for our runs to start from."""
+    if device.type != "cuda":  # FLA's Triton kernels need CUDA; hidden, transformers takes its torch path
+        sys.modules.setdefault("fla", None)
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+
+    cfg = transformers_config(args)
+    torch.manual_seed(0)
+    with torch.device(device):
+        trunk = Glm5NextTextModel(cfg).to(dtype)
+        head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
+    tokens, labels, _ = make_inputs(vocab=args.vocab_size, seq_len=seq_len, batch=batch, docs=1, device=device)
+    params = list(trunk.parameters()) + list(head.parameters())
+
+    def step() -> torch.Tensor:
+        logits = head(trunk(input_ids=tokens).last_hidden_state).float()
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+        loss.backward()
+        for p in params:
+            p.grad = None
+        return loss.detach()
+
+    timed = time_steps(step, params=params + list(trunk.buffers()), steps=steps, warmup=warmup, device=device,
+                       eager=True)
+    weights = {k: v.detach().to("cpu", copy=True)
+               for k, v in {**modeling_to_ours(trunk.state_dict()), "lm_head.weight": head.weight}.items()}
+    tps = batch * seq_len / timed["step_s"]
+    row = dict(flavor=flavor, scope="reference", indexer_kl=None, seq_len=seq_len, batch=batch,
+               mode="transformers", ac="none", float8="off", step_ms=round(timed["step_s"] * 1e3, 2),
+               tokens_per_s=round(tps, 1), peak_mem_gib=round(timed["peak"], 4), warmup_s=round(timed["warmup_s"], 1),
+               tflops=round(tps * flops_per_token(args, seq_len) / 1e12, 1), loss=timed["loss"],
+               tokens_sha1=digest(tokens), attn_implementation=cfg._attn_implementation)
+    del trunk, head, params, step
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row, weights
+
+
+def model_args(flavor: str, *, scope: str, tile_elements: int) -> Glm5ModelArgs:
+    args = get_flavor(flavor).replace(indexer_tile_elements=tile_elements)
+    return args if scope == "train" else dataclasses.replace(args, num_nextn_predict_layers=0)
+
+
+def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, steps: int, warmup: int,
+            device: torch.device, dtype: torch.dtype, backend: str, scope: str, profile: bool, indexer_kl: str,
+            docs: int, tile_elements: int, float8: str | None = None,
+            weights: dict[str, torch.Tensor] | None = None, recompute_modules: tuple[str, ...] = ()) -> dict:
+    """One timed run of this repo's model; from `weights` (our names) when given, else from its own init."""
+    args = model_args(flavor, scope=scope, tile_elements=tile_elements)
+    train_scope = scope == "train"
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Glm5Model(args)
+    model.to_empty(device=device)
+    model.init_weights()  # every buffer set, whether or not the state dict carries it
+    if weights is not None:
+        model.load_state_dict(weights, strict=True)
+    model.to(dtype)
+    f8 = Float8Config(enable=float8 is not None, recipe=float8 or "tensorwise")
+    convert_float8(model, cfg=f8)  # the serving split, exactly as the trainer converts
+    configure_inductor_for_float8(cfg=f8)
+    recompute_modules = recompute_modules if ac == "selective" else ()
+    apply_activation_checkpointing(model, mode=ac, recompute_modules=recompute_modules)
+    if compiled:
+        apply_compile(model, backend=backend, components=["model", "loss"])
+    tokens, labels, doc_ids = make_inputs(vocab=args.vocab_size, seq_len=seq_len, batch=batch, docs=docs,
+                                          device=device)
+    n = int((labels != -100).sum())  # the loss is the mean CE over the counted tokens
+
+    def step() -> torch.Tensor:
+        out = model(tokens, doc_ids=doc_ids, labels=labels, token_scale=1.0 / n,
+                    mtp_scale=0.1 / n if train_scope else 0.0, indexer_kl=indexer_kl if train_scope else None)
+        loss = (out.loss + indexer_kl_loss(out.indexer_stats)) if train_scope else out.loss
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+        return out.loss.detach()
+
+    timed = time_steps(step, params=list(model.parameters()) + list(model.buffers()), steps=steps, warmup=warmup,
+                       device=device, eager=not compiled)
     if profile:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities) as prof:
             step()
-            sync()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
         sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
         print(prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=60), flush=True)
-    tps = batch * seq_len / step_s
+    tps = batch * seq_len / timed["step_s"]
     result = dict(flavor=flavor, scope=scope, indexer_kl=indexer_kl if train_scope else None, seq_len=seq_len,
-                  batch=batch, mode="compiled" if compiled else "eager", ac=ac, float8=float8 or "off",
-                  step_ms=round(step_s * 1e3, 2), tokens_per_s=round(tps, 1), peak_mem_gib=round(peak, 2),
-                  warmup_s=round(warmup_s, 1), tflops=round(tps * flops_per_token(args, seq_len) / 1e12, 1))
+                  batch=batch, mode="compiled" if compiled else "eager",
+                  ac=ac + "".join(f"+{m}" for m in recompute_modules), float8=float8 or "off",
+                  step_ms=round(timed["step_s"] * 1e3, 2), tokens_per_s=round(tps, 1),
+                  peak_mem_gib=round(timed["peak"], 4), warmup_s=round(timed["warmup_s"], 1),
+                  tflops=round(tps * flops_per_token(args, seq_len) / 1e12, 1), loss=timed["loss"],
+                  tokens_sha1=digest(tokens))
     del model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     torch._dynamo.reset()
     return result
+
+
+def add_ratios(row: dict, reference: dict | None) -> None:
+    """speed_ratio (tokens/s) and memory_ratio (peak) of one of our rows over the transformers row at its T."""
+    if reference is None or "oom" in reference or "oom" in row:
+        return
+    row["speed_ratio"] = round(row["tokens_per_s"] / reference["tokens_per_s"], 3)
+    mem = row["peak_mem_gib"] / reference["peak_mem_gib"]
+    row["memory_ratio"] = round(mem, 3) if math.isfinite(mem) else float("nan")
 
 
 def main() -> None:
@@ -127,12 +277,18 @@ def main() -> None:
     p.add_argument("--runs", default="eager:none,compiled:none,eager:full,compiled:full",
                    help="comma-separated mode:ac[:fp8] specs, mode in {eager, compiled}, ac in {none, full, selective, "
                         "auto}; a third field fp8 runs the FP8 serving split ([float8] defaults, --float8-recipe)")
+    p.add_argument("--recompute-modules", default="",
+                   help="activation_checkpoint.recompute_modules for the selective runs, comma-separated (kda, mhc, "
+                        "indexer, mla_up_proj, sparse_attn, moe, mlp)")
     p.add_argument("--float8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--backend", default="inductor")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--scope", choices=["train", "reference"], default="train")
+    p.add_argument("--scope", choices=["train", "reference"], default=None,
+                   help="train (the default) or reference (the default, and the only choice, with --against)")
+    p.add_argument("--against", choices=["transformers"], default=None,
+                   help="time transformers' glm5_next first at each T and print our speed and memory ratios to it")
     p.add_argument("--indexer-kl", choices=["sparse", "dense"], default="dense",
                    help="the trainer's default (loss.indexer_sparse_loss = false) is dense")
     p.add_argument("--indexer-tile-elements", type=int, default=0,
@@ -140,6 +296,16 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--out", default="")
     a = p.parse_args()
+    if a.against:
+        if a.scope == "train" or a.docs != 1:
+            p.error("--against transformers compares the reference scope (trunk + LM head + CE) on one document per "
+                    "row: drop --scope train / --docs")
+        a.scope = "reference"
+    a.scope = a.scope or "train"
+    recompute = tuple(m for m in a.recompute_modules.split(",") if m)
+    unknown = set(recompute) - set(RECOMPUTE_MODULES)
+    if unknown:
+        p.error(f"--recompute-modules: unknown {sorted(unknown)}; choose from {list(RECOMPUTE_MODULES)}")
     seq_lens = SWEEP if a.seq_len == "sweep" else tuple(int(t) for t in a.seq_len.split(","))
     if not torch.cuda.is_available() and a.flavor != "debug":
         print(f"benchmark.py: flavor {a.flavor!r} needs a CUDA GPU and none is visible (the debug flavor runs on CPU).",
@@ -148,7 +314,29 @@ def main() -> None:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     tile_elements = a.indexer_tile_elements or (1 << 28 if device.type == "cuda" else 1 << 26)
     rows = []
+
+    def emit(r: dict) -> None:
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+        if a.out:  # after every run, so a run cut off by a time limit keeps the ones before it
+            with open(a.out, "w") as f:
+                json.dump(rows, f, indent=1)
+
     for seq_len in seq_lens:
+        reference, weights = None, None
+        if a.against:
+            args = model_args(a.flavor, scope="reference", tile_elements=tile_elements)
+            try:
+                reference, weights = run_transformers(args=args, flavor=a.flavor, seq_len=seq_len, batch=a.batch,
+                                                      steps=a.steps, warmup=a.warmup, device=device,
+                                                      dtype=getattr(torch, a.dtype))
+            except torch.cuda.OutOfMemoryError as e:
+                reference = dict(flavor=a.flavor, scope="reference", seq_len=seq_len, mode="transformers", ac="none",
+                                 float8="off", oom=str(e).split(".")[0])
+            if "oom" in reference:
+                gc.collect()
+                torch.cuda.empty_cache()
+            emit(reference)
         for spec in a.runs.split(","):
             mode, ac, *fp8 = spec.split(":")
             ac = auto_ac(seq_len) if ac == "auto" else ac
@@ -156,7 +344,8 @@ def main() -> None:
                 r = run_one(flavor=a.flavor, seq_len=seq_len, batch=a.batch, compiled=mode == "compiled", ac=ac,
                             steps=a.steps, warmup=a.warmup, device=device, dtype=getattr(torch, a.dtype),
                             backend=a.backend, scope=a.scope, profile=a.profile, indexer_kl=a.indexer_kl, docs=a.docs,
-                            tile_elements=tile_elements, float8=a.float8_recipe if fp8 == ["fp8"] else None)
+                            tile_elements=tile_elements, float8=a.float8_recipe if fp8 == ["fp8"] else None,
+                            weights=weights, recompute_modules=recompute)
             except torch.cuda.OutOfMemoryError as e:
                 r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=ac,
                          float8=a.float8_recipe if fp8 == ["fp8"] else "off", oom=str(e).split(".")[0])
@@ -164,23 +353,27 @@ def main() -> None:
                 gc.collect()
                 torch.cuda.empty_cache()
                 torch._dynamo.reset()
-            print(json.dumps(r), flush=True)
-            rows.append(r)
-            if a.out:  # after every run, so a run cut off by a time limit keeps the ones before it
-                with open(a.out, "w") as f:
-                    json.dump(rows, f, indent=1)
+            add_ratios(r, reference)
+            emit(r)
+        del weights
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"\n{name}, torch {torch.__version__}\n")
     kl = f", indexer KL {a.indexer_kl}, indexer tiles of {tile_elements} elements" if a.scope == "train" else ""
     print(f"scope: {a.scope}{kl}, {a.docs} document(s) per row\n")
-    print("| T | mode | AC | float8 | step ms | tokens/s | TFLOP/s | peak GiB | warm-up s |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+    vs = " | speed / memory vs transformers" if a.against else ""
+    print(f"| T | mode | AC | float8 | step ms | tokens/s | TFLOP/s | peak GiB | warm-up s | loss{vs} |\n"
+          "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if a.against else ""))
     for r in rows:
         if "oom" in r:
-            print(f"| {r['seq_len']:,} | {r['mode']} | {r['ac']} | {r['float8']} | OOM | | | | |")
+            print(f"| {r['seq_len']:,} | {r['mode']} | {r['ac']} | {r['float8']} | OOM | | | | | |"
+                  + (" |" if a.against else ""))
             continue
+        ratio = ""
+        if a.against:
+            ratio = f" {r['speed_ratio']}x, {r['memory_ratio']}x |" if "speed_ratio" in r else " |"
         print(f"| {r['seq_len']:,} | {r['mode']} | {r['ac']} | {r['float8']} | {r['step_ms']} | "
-              f"{r['tokens_per_s']:,.0f} | {r['tflops']} | {r['peak_mem_gib']} | {r['warmup_s']} |")
+              f"{r['tokens_per_s']:,.0f} | {r['tflops']} | {r['peak_mem_gib']} | {r['warmup_s']} | "
+              f"{r['loss']:.6g} |{ratio}")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,35 @@
-"""Activation checkpointing per decoder block (and the MTP layer): none | full | selective.
+"""Activation checkpointing per decoder block (and the MTP layer): none | full | selective, and on top of selective
+a per-module choice of what else is recomputed (`recompute_modules`, as Megatron's recompute_modules refines its
+selective granularity).
 
 Full recomputes the whole block, mHC mixing included; the block is a pure function of its inputs, so the
 recomputed forward re-reads the saved residual streams and never adds them twice. Selective saves the outputs of
 matmuls, attention, the KDA kernel and the DSA indexer's tiled ops (selection, KL with its precomputed gradient),
-and recomputes the cheap elementwise ops (norms, gates, mHC maps).
+and recomputes the cheap elementwise ops (norms, gates, mHC maps, the experts' SwiGLU activation).
+
+recompute_modules (selective only) recomputes the saved ops of the listed parts of each block as well:
+  kda          the whole KDA token mixer (projections, short convs, gates, the kernel, gated norm): only its input
+               is kept (the Megatron PR's recompute of the KDA block)
+  mhc          the mHC maps' projection and the stream mixing (HyperConnection, its merge included)
+  indexer      the DSA indexer: its projections, pooled keys, top-k selection and KL (re-run in backward)
+  mla_up_proj  the MLA query / key-value up-projections (q_b_proj, kv_b_proj)
+  sparse_attn  the DSA attention kernel (sparse absorbed MLA; the dense stage's masked attention)
+  moe          the MoE layer: router, routed experts' grouped GEMMs and the shared expert
+  mlp          the dense layers' MLP
+The decision is taken per op (the same `torch.utils.checkpoint` policy machinery as selective) from where the op
+runs: the Python code regions (class methods) on its call stack, and for mla_up_proj the module being called. In
+eager those come from the interpreter's frames; under torch.compile the policy runs while AOTAutograd traces the
+block, and they come from the FX node's recorded `stack_trace` and `nn_module_stack` (torch's
+`fx.traceback.get_current_meta`), so a fullgraph-compiled block takes the same decisions.
 """
 
 from __future__ import annotations
 
 import functools
+import re
+import sys
+from types import CodeType
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -16,6 +37,12 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 MODES = ("none", "full", "selective")
+RECOMPUTE_MODULES = ("kda", "mhc", "indexer", "mla_up_proj", "sparse_attn", "moe", "mlp")
+# Megatron names that selective already covers, with the reason given in the config error.
+IMPLIED_BY_SELECTIVE = {
+    "moe_act": "selective already recomputes the experts' SwiGLU activation from the saved GEMM outputs; "
+               "'moe' recomputes the expert GEMMs too",
+}
 
 
 def _save_list() -> set:
@@ -37,28 +64,140 @@ def _save_list() -> set:
     return ops
 
 
-def _policy(save: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+# ---------------------------------------------------------------------------------------- where an op runs
+def _codes(*owners: object) -> set[CodeType]:
+    """The code objects of the functions defined in classes (their own methods) or given as functions."""
+    out: set[CodeType] = set()
+    for owner in owners:
+        members = vars(owner).values() if isinstance(owner, type) else [owner]
+        for f in members:
+            f = getattr(f, "__func__", f)
+            if callable(f) and hasattr(f, "__code__"):
+                out.add(f.__code__)
+    return out
 
 
-def _selective_context() -> tuple:
-    return create_selective_checkpoint_contexts(functools.partial(_policy, _save_list()))
+def _span(code: CodeType) -> tuple[str, str, int, int]:
+    lines = [line for _, _, line in code.co_lines() if line is not None]
+    return code.co_filename, code.co_name, min(lines + [code.co_firstlineno]), max(lines + [code.co_firstlineno])
 
 
-def wrap_block(block: nn.Module, *, mode: str) -> nn.Module:
+_TRACE_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+class BlockSites:
+    """Which recompute_modules label covers an op of one block, from where it runs (see the module docstring)."""
+
+    def __init__(self, block: nn.Module, names: Iterable[str]) -> None:
+        from torchtitan_glm.models.glm5.dsa import KPoolIndexer, SparseMLA
+        from torchtitan_glm.models.glm5.kda import KimiDeltaAttention
+        from torchtitan_glm.models.glm5.layers import DenseMLP
+        from torchtitan_glm.models.glm5.mhc import HyperConnection
+        from torchtitan_glm.models.glm5.moe import MoE
+        from torchtitan_glm.ops.masked_attention import masked_attention
+        from torchtitan_glm.ops.sparse_mla import sparse_mla
+
+        self.names = tuple(names)
+        unknown = set(self.names) - set(RECOMPUTE_MODULES)
+        if unknown:
+            raise ValueError(f"unknown recompute_modules {sorted(unknown)}; choose from {list(RECOMPUTE_MODULES)}")
+        # code regions: an op is inside one when a frame of one of these functions is on its call stack
+        self.codes = {"kda": _codes(KimiDeltaAttention), "mhc": _codes(HyperConnection),
+                      "indexer": _codes(KPoolIndexer, SparseMLA._indexer_kl), "moe": _codes(MoE),
+                      "mlp": _codes(DenseMLP), "sparse_attn": _codes(masked_attention, sparse_mla)}
+        self.spans = {n: [_span(c) for c in codes] for n, codes in self.codes.items()}
+        # mla_up_proj: the up-projection modules themselves (whatever Linear class float8 made them)
+        attn = [m for m in block.modules() if isinstance(m, SparseMLA)]
+        self.up_proj = {id(getattr(a, n)): getattr(a, n) for a in attn for n in ("q_b_proj", "kv_b_proj")}
+        self.up_proj_codes = {type(m).forward.__code__ for m in self.up_proj.values()}
+        self.block_codes = _codes(type(block))
+        self.seen: dict[str, int] = {}  # ops recomputed per label (traced ops, under compile)
+
+    def recompute(self, op) -> bool:
+        """Whether one of the chosen labels covers this op."""
+        label = self._label()
+        if label is not None:
+            self.seen[label] = self.seen.get(label, 0) + 1
+        return label is not None
+
+    def _label(self) -> str | None:
+        meta = torch.fx.traceback.get_current_meta() or {}
+        if meta.get("stack_trace"):  # traced by torch.compile: the node's recorded user frames and modules
+            frames = [(f, n, int(line)) for f, line, n in _TRACE_FRAME.findall(meta["stack_trace"])]
+            modules = {int(k) for k in (meta.get("nn_module_stack") or {}) if str(k).isdigit()}
+
+            def inside(label: str) -> bool:
+                return any(f == sf and n == sn and lo <= line <= hi
+                           for f, n, line in frames for sf, sn, lo, hi in self.spans[label])
+        else:
+            codes, modules = self._python_frames()
+
+            def inside(label: str) -> bool:
+                return not codes.isdisjoint(self.codes[label])
+        for name in self.names:
+            if name == "mla_up_proj":
+                if modules & self.up_proj.keys():
+                    return name
+            elif name == "mlp":
+                if inside("mlp") and not inside("moe"):  # the dense layers' MLP, not the shared expert
+                    return name
+            elif inside(name):
+                return name
+        return None
+
+    def _python_frames(self) -> tuple[set[CodeType], set[int]]:
+        """Eager: the code objects on the interpreter's stack, and the up-projection modules being called."""
+        codes: set[CodeType] = set()
+        modules: set[int] = set()
+        frame = sys._getframe(2)
+        while frame is not None:
+            code = frame.f_code
+            codes.add(code)
+            if code in self.up_proj_codes and id(frame.f_locals.get("self")) in self.up_proj:
+                modules.add(id(frame.f_locals["self"]))
+            frame = frame.f_back
+        if codes.isdisjoint(self.block_codes):
+            raise RuntimeError("activation_checkpoint.recompute_modules: an op of the block ran with neither node "
+                               "metadata (torch.compile) nor the block's forward on the Python stack; cannot tell "
+                               "which module it belongs to")
+        return codes, modules
+
+
+def _policy(save: set, sites: BlockSites | None, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op not in save:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if sites is not None and sites.recompute(op):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
+
+
+def _selective_context(sites: BlockSites | None = None) -> tuple:
+    return create_selective_checkpoint_contexts(functools.partial(_policy, _save_list(), sites))
+
+
+def wrap_block(block: nn.Module, *, mode: str, recompute_modules: Iterable[str] = ()) -> nn.Module:
     """The block wrapped for `mode` (checkpoint_wrapper keeps state_dict names free of its prefix)."""
+    recompute_modules = tuple(recompute_modules)
+    if recompute_modules and mode != "selective":
+        raise ValueError(f"recompute_modules {list(recompute_modules)} refine activation_checkpoint.mode "
+                         f"'selective', not {mode!r}")
     if mode == "none":
         return block
     if mode == "full":
         return checkpoint_wrapper(block, preserve_rng_state=False)
     if mode == "selective":
-        return checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_selective_context)
+        sites = BlockSites(block, recompute_modules) if recompute_modules else None
+        wrapped = checkpoint_wrapper(block, preserve_rng_state=False,
+                                     context_fn=functools.partial(_selective_context, sites))
+        wrapped.recompute_sites = sites
+        return wrapped
     raise ValueError(f"activation_checkpoint.mode must be one of {MODES}, got {mode!r}")
 
 
-def apply_activation_checkpointing(model: nn.Module, *, mode: str) -> None:
+def apply_activation_checkpointing(model: nn.Module, *, mode: str, recompute_modules: Iterable[str] = ()) -> None:
     """Wrap every decoder layer and the MTP layer of a Glm5Model in place."""
+    recompute_modules = tuple(recompute_modules)
     for name, layer in list(model.layers.items()):
-        model.layers[name] = wrap_block(layer, mode=mode)
+        model.layers[name] = wrap_block(layer, mode=mode, recompute_modules=recompute_modules)
     if getattr(model, "mtp", None) is not None:
-        model.mtp = wrap_block(model.mtp, mode=mode)
+        model.mtp = wrap_block(model.mtp, mode=mode, recompute_modules=recompute_modules)

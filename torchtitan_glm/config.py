@@ -233,9 +233,16 @@ class DataConfig(_Section):
 class OptimizerConfig(_Section):
     """[optimizer] AdamW (components/optimizer.py).
 
-    name: only "AdamW"; lr: peak learning rate; beta1, beta2, eps: AdamW moments; weight_decay: decoupled decay
-    for parameters with ndim >= 2 not declared no-decay by their module; implementation: "auto" (fused on CUDA,
-    foreach otherwise), "fused", "foreach" or "for-loop".
+    name: "AdamW" (torch; states in the parameters' dtype), "AdamW8bit" or "AdamWFp8" (torchao's low-bit AdamW:
+    both moments stored blockwise-quantised, 8-bit or FP8 E4M3 codes plus one FP32 scale per 256 values, about 2.03
+    bytes per parameter instead of 8 for FP32 states; each parameter's step is a torch.compile'd kernel, so the
+    first step compiles); lr: peak learning rate; beta1, beta2, eps: AdamW moments; weight_decay: decoupled decay for
+    parameters with ndim >= 2 not declared no-decay by their module; implementation (AdamW only): "auto" (fused on
+    CUDA, foreach otherwise), "fused", "foreach" or "for-loop"; cpu_offload: keep the FSDP2-sharded parameters,
+    their gradients and optimizer states in host memory and step there (FSDP2's CPUOffloadPolicy: the parameters
+    are copied to the GPU for each block's forward and backward, the gradients back), AdamW only. torchao's
+    CPUOffloadOptimizer is not offered: it is CUDA-only and for one device, keeps one optimizer per parameter over
+    host copies (not FSDP2's DTensors), and its state_dict is not keyed by parameter names as the checkpoints need.
     """
 
     SECTION: ClassVar[str] = "optimizer"
@@ -246,15 +253,29 @@ class OptimizerConfig(_Section):
     eps: float = 1e-8
     weight_decay: float = 0.1
     implementation: str = "auto"
+    cpu_offload: bool = False
 
     def validate(self) -> None:
-        self._choice("name", ("AdamW",))
+        if self.name == "CPUOffloadOptimizer":
+            self._fail("name", "torchao's CPUOffloadOptimizer does not work with FSDP2-sharded parameters or the "
+                       "checkpoints; set optimizer.cpu_offload = true (FSDP2's CPUOffloadPolicy) with name 'AdamW'")
+        self._choice("name", OPTIMIZERS)
         self._require(math.isfinite(self.lr) and self.lr > 0, "lr", "must be a finite number > 0")
         self._require(0.0 <= self.beta1 < 1.0, "beta1", "must be in [0, 1)")
         self._require(0.0 <= self.beta2 < 1.0, "beta2", "must be in [0, 1)")
         self._require(math.isfinite(self.eps) and self.eps > 0, "eps", "must be a finite number > 0")
         self._require(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be >= 0")
         self._choice("implementation", ("auto", "fused", "foreach", "for-loop"))
+        if self.name != "AdamW" and self.implementation != "auto":
+            self._fail("implementation", f"{self.implementation!r} applies to name 'AdamW' only; torchao's "
+                       f"{self.name} has one implementation (leave implementation = 'auto')")
+        if self.cpu_offload and self.name != "AdamW":
+            self._fail("cpu_offload", f"offloads name 'AdamW' only: {self.name} saves GPU memory by shrinking the "
+                       "states, which cpu_offload already keeps in host memory (and torchao's compiled step on the "
+                       "host is slow); use one or the other")
+
+
+OPTIMIZERS = ("AdamW", "AdamW8bit", "AdamWFp8")
 
 
 @dataclass(frozen=True)
@@ -453,13 +474,33 @@ class CheckpointConfig(_Section):
 
 @dataclass(frozen=True)
 class ActivationCheckpointConfig(_Section):
-    """[activation_checkpoint] mode: "none", "full" (recompute whole blocks) or "selective" (per-op policy)."""
+    """[activation_checkpoint] (activation_checkpoint.py) mode: "none", "full" (recompute whole blocks) or "selective"
+    (per-op policy: matmuls, attention and the KDA / DSA kernels saved, elementwise ops recomputed);
+    recompute_modules (selective only): parts of each block whose saved ops are recomputed too, any of "kda" (the
+    whole KDA token mixer), "mhc" (mHC maps and stream mixing), "indexer" (the DSA indexer: projections, top-k, KL),
+    "mla_up_proj" (MLA q / kv up-projections), "sparse_attn" (the DSA attention kernel), "moe" (router, experts and
+    shared expert), "mlp" (dense layers' MLP).
+    """
 
     SECTION: ClassVar[str] = "activation_checkpoint"
     mode: str = "none"
+    recompute_modules: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
+        from torchtitan_glm.activation_checkpoint import IMPLIED_BY_SELECTIVE, RECOMPUTE_MODULES
+
         self._choice("mode", ("none", "full", "selective"))
+        for name in self.recompute_modules:
+            if name in IMPLIED_BY_SELECTIVE:
+                self._fail("recompute_modules", f"{name!r}: {IMPLIED_BY_SELECTIVE[name]}")
+            if name not in RECOMPUTE_MODULES:
+                self._fail("recompute_modules", f"unknown module {name!r}; choose from {list(RECOMPUTE_MODULES)}")
+        self._require(len(set(self.recompute_modules)) == len(self.recompute_modules), "recompute_modules",
+                      "has duplicates")
+        if self.recompute_modules and self.mode != "selective":
+            self._fail("recompute_modules", f"{self.recompute_modules} refines mode 'selective' (what selective "
+                       f"saves, these parts recompute), not mode {self.mode!r}: set "
+                       "activation_checkpoint.mode = 'selective'")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import time
 from typing import Any, Iterator
@@ -26,6 +25,7 @@ from torchtitan_glm.components.metrics import (
 from torchtitan_glm.components.optimizer import build_optimizer, clip_grad_norm_
 from torchtitan_glm.components.resume import layout_note, resume_mismatches, run_info, schedule_note
 from torchtitan_glm.components.signals import StopRequest
+from torchtitan_glm.components.step_stats import PendingStep, StepStats, optimizer_step, supports_device_skip
 from torchtitan_glm.components.tokenizer import build_tokenizer, check_vocab_fits
 from torchtitan_glm.config import ConfigError, JobConfig, load_config, main_guard
 from torchtitan_glm.distributed.cp_layout import CPLayout
@@ -76,8 +76,9 @@ class _SkippedSteps(Stateful):
         self.total, self.in_a_row = int(state_dict["total"]), int(state_dict["in_a_row"])
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
-    """Join the torchrun process group (NCCL on GPU, gloo on CPU); a plain `python train.py` is a world of one."""
+def init_distributed(*, cpu_backend: bool = False) -> tuple[int, int, torch.device]:
+    """Join the torchrun process group (NCCL on GPU, gloo on CPU); a plain `python train.py` is a world of one.
+    cpu_backend: on GPU, gloo too for CPU tensors (optimizer.cpu_offload: the gradient norm of host gradients)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -87,7 +88,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
+        backend = "cuda:nccl,cpu:gloo" if cpu_backend else "nccl"
     else:
         device = torch.device("cpu")
         backend = "gloo"
@@ -111,7 +112,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         dims, self.args = check_layout(cfg)
-        self.rank, self.world, self.device = init_distributed()
+        self.rank, self.world, self.device = init_distributed(cpu_backend=cfg.optimizer.cpu_offload)
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
         self.dims = dims
@@ -155,8 +156,9 @@ class Trainer:
         self.replicated = parallelize_glm5(
             model, meshes=self.meshes, param_dtype=cfg.training.mixed_precision_param,
             reduce_dtype=cfg.training.mixed_precision_reduce, ac_mode=cfg.activation_checkpoint.mode,
+            recompute_modules=cfg.activation_checkpoint.recompute_modules,
             compile_enable=cfg.compile.enable, compile_backend=cfg.compile.backend, compile_mode=cfg.compile.mode,
-            compile_components=cfg.compile.components)
+            compile_components=cfg.compile.components, cpu_offload=cfg.optimizer.cpu_offload)
         if not small:
             model.to_empty(device=self.device)
             model.init_weights()
@@ -167,6 +169,10 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(optimizer=self.optimizer, cfg=cfg.lr_scheduler,
                                                total_steps=cfg.training.steps)
         self.skipped = _SkippedSteps()
+        self.stats = StepStats(device=self.device, tp=dims.tp, dp_size=self.dp_size)
+        # fused AdamW skips a non-finite update on the device; other optimizers (and steps on offloaded host
+        # parameters) read the flag each step
+        self.device_skip = supports_device_skip(self.optimizer, device=self.device)
         self.run_info = run_info(cfg=cfg, args=self.args, tokenizer_vocab_size=self.tokenizer.vocab_size,
                                  layout=dims.describe(), global_batch_rows=self.dataloader.global_batch_rows)
         self.checkpointer = CheckpointManager(
@@ -199,9 +205,9 @@ class Trainer:
                                   f"{one_line(e)}") from e
 
     # ---------------------------------------------------------------------------------------------- step
-    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """One optimizer step (skipped when the loss or gradient norm is not finite); the step's metrics, plus
-        "nonfinite" (what was not finite) and "stop" (a rank received SIGTERM/SIGINT)."""
+    def train_step(self, batch: dict[str, torch.Tensor]) -> PendingStep:
+        """One optimizer step (skipped when the loss or gradient norm is not finite), queued without a host sync;
+        its metrics come later from `self.stats.resolve` (with "nonfinite" and "stop")."""
         cfg = self.cfg.loss
         tokens = batch["input_ids"].to(self.device)
         labels = batch["labels"].to(self.device)
@@ -228,35 +234,51 @@ class Trainer:
         self.replicated.allreduce_grads()
         grad_norm = clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
                                     self.cfg.training.max_norm)
-        # One all-reduce carries the loss sums and this rank's stop request (a signal may reach the ranks at
-        # different moments; the reduced flag is the decision they share). It precedes the optimizer step so that
-        # a non-finite loss (the same on every rank) can skip it.
-        sums = torch.stack([out.ce.sum(), out.mtp_ce.sum() if out.mtp_ce is not None else out.ce.new_zeros(()),
-                            kl.detach() if kl is not None else out.ce.new_zeros(()),
-                            out.ce.new_tensor(float(self.stop.signum is not None))])
-        if dist.is_initialized():
-            dist.all_reduce(sums)  # over the world, so every rank shares the stop decision
-            sums[:3] /= self.dims.tp  # tensor-parallel ranks hold identical copies of their data ranks' sums
-        metrics = {"loss": float(sums[0] / count), "grad_norm": float(grad_norm),
-                   "lr": self.lr_scheduler.get_last_lr()[0], "tokens": int(count)}
-        if use_mtp:
-            metrics["mtp_loss"] = float(sums[1] / mtp_count.clamp_min(1))
-        if kl is not None:
-            metrics["indexer_kl_loss"] = float(sums[2] / self.dp_size)
-        nonfinite = [f"{k} {metrics[k]}" for k in ("loss", "mtp_loss", "indexer_kl_loss", "grad_norm")
-                     if k in metrics and not math.isfinite(metrics[k])]
-        if not nonfinite:
-            self.optimizer.step()
-            precompute_float8_scales(self.model, cfg=self.cfg.float8)
+        # The step's statistics stay on the device until the host needs them (components/step_stats.py); their
+        # one all-reduce also carries this rank's stop request, so every rank shares the stop decision.
+        pending = self.stats.record(
+            step=self.step, lr=float(self.lr_scheduler.get_last_lr()[0]),
+            documents=list(self.dataloader.last_documents), ce_sum=out.ce.sum(),
+            mtp_sum=out.mtp_ce.sum() if use_mtp and out.mtp_ce is not None else None, kl=kl, grad_norm=grad_norm,
+            count=count, mtp_count=mtp_count, stop=self.stop.signum is not None)
+        self._optimizer_step(pending, out.moe_stats)
+        self.stats.finish(pending)
+        return pending
+
+    def _optimizer_step(self, pending: PendingStep, moe_stats: list) -> None:
+        """The update, the FP8 scales and the router biases, none of it where the step is not finite: decided on the
+        device (fused AdamW's found_inf), else from the one flag read now (see components/step_stats.py)."""
+        if self.device_skip:
+            optimizer_step(self.optimizer, found_inf=pending.bad)
+            precompute_float8_scales(self.model, cfg=self.cfg.float8)  # same weights, same scales when skipped
+            apply: torch.Tensor | bool = 1.0 - pending.bad
+        else:
+            apply = self.stats.flag_now(pending)
+            if apply:
+                self.optimizer.step()
+                precompute_float8_scales(self.model, cfg=self.cfg.float8)
         self.lr_scheduler.step()  # the schedule follows the step count, skipped steps included
         self.optimizer.zero_grad(set_to_none=True)
-        if out.moe_stats and not nonfinite:
-            imbalance = losses.update_router_bias(self.model, [s.counts for s in out.moe_stats],
-                                                  rate=cfg.router_bias_update_rate, group=self.dp_group)
-            metrics["expert_load_imbalance"] = float(imbalance.mean())
-        metrics["nonfinite"] = nonfinite
-        metrics["stop"] = bool(sums[3] > 0)
-        return metrics
+        if moe_stats and apply is not False:
+            imbalance = losses.update_router_bias(
+                self.model, [s.counts for s in moe_stats], rate=self.cfg.loss.router_bias_update_rate,
+                group=self.dp_group, scale=apply if isinstance(apply, torch.Tensor) else None)
+            pending.extra["expert_load_imbalance"] = imbalance.mean()
+
+    def _read(self, upto: int, losses_seen: list[float]) -> tuple[dict[str, Any] | None, bool]:
+        """Resolve the pending steps up to `upto` through the non-finite guard (in order): the last one's metrics
+        and whether any asked to stop."""
+        last, stop = None, False
+        for m in self.stats.resolve(upto):
+            self._guard_nonfinite(m)
+            losses_seen.append(m["loss"])
+            last, stop = m, stop or m["stop"]
+        return last, stop
+
+    def _checkpoint_due(self, step: int) -> bool:
+        """Whether checkpointer.save(step) writes (the same rule as CheckpointManager.save)."""
+        ck = self.cfg.checkpoint
+        return ck.enable and (step % ck.interval == 0 or step == self.cfg.training.steps)
 
     def train(self) -> list[float]:
         """Resume (or start), log the run summary, train to training.steps; returns the losses of the steps run."""
@@ -279,11 +301,13 @@ class Trainer:
             while self.step < steps_total:
                 self.step += 1
                 batch = next(self.dataloader)
-                m = self.train_step(batch)
-                self._guard_nonfinite(m)
-                losses_seen.append(m["loss"])
+                self.train_step(batch)
                 window_tokens += tokens_per_step
-                if self.step % cfg.metrics.log_freq == 0 or self.step == steps_total:
+                log_now = self.step % cfg.metrics.log_freq == 0 or self.step == steps_total
+                # The host reads a step's statistics when it logs or saves it, otherwise one step late.
+                read_now = log_now or self._checkpoint_due(self.step)
+                m, stop = self._read(self.step if read_now else self.step - 1, losses_seen)
+                if log_now:
                     elapsed = time.perf_counter() - window_start
                     tps, tflops, mfu = throughput(tokens=window_tokens // self.world, seconds=elapsed,
                                                   flops_per_token=self.flops_per_token, peak_flops=self.peak_flops)
@@ -299,10 +323,11 @@ class Trainer:
                                                tokens_per_sec=tps, tflops=tflops, mfu_pct=mfu,
                                                peak_mem_gib=mem.max_reserved_gib, eta_seconds=eta, extra=extra),
                               flush=True)
-                    self.logger.log({k: v for k, v in m.items() if k not in ("tokens", "nonfinite", "stop")},
-                                    self.step)
+                    self.logger.log({k: v for k, v in m.items()
+                                     if k not in ("tokens", "nonfinite", "stop", "step", "documents")}, self.step)
                     window_start, window_tokens = time.perf_counter(), 0
-                if m["stop"]:
+                if stop:
+                    self._read(self.step, losses_seen)  # the step just run, before its checkpoint
                     self._stop_on_signal()
                     break
                 self.checkpointer.save(self.step, last=self.step == steps_total)
@@ -364,33 +389,33 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ stopping
     def _guard_nonfinite(self, m: dict[str, Any]) -> None:
-        """training.on_nonfinite: stop (NonFiniteError, nothing saved) or count a skipped step; every rank takes
-        the same decision, from all-reduced values."""
+        """training.on_nonfinite for the resolved step m (this one or the one before): stop (NonFiniteError,
+        nothing saved) or count a skipped step; every rank takes the same decision, from all-reduced values."""
         if not m["nonfinite"]:
             self.skipped.in_a_row = 0
             if self.cfg.training.on_nonfinite == "skip":
                 m["skipped_steps"] = self.skipped.total
             return
-        what = ", ".join(m["nonfinite"])
+        what, step = ", ".join(m["nonfinite"]), m["step"]
         tr = self.cfg.training
         if tr.on_nonfinite == "skip":
             self.skipped.total += 1
             self.skipped.in_a_row += 1
             m["skipped_steps"] = self.skipped.total
-            self.logger.log({"skipped_steps": self.skipped.total}, self.step)
+            self.logger.log({"skipped_steps": self.skipped.total}, step)
             if self.skipped.in_a_row < tr.max_consecutive_nonfinite:
                 if self.rank == 0:
                     logger.warning("step %d: non-finite %s: skipped its optimizer step (%d in a row; the run stops at "
-                                   "%d, training.max_consecutive_nonfinite)", self.step, what, self.skipped.in_a_row,
+                                   "%d, training.max_consecutive_nonfinite)", step, what, self.skipped.in_a_row,
                                    tr.max_consecutive_nonfinite)
                 return
             cause = (f"{self.skipped.in_a_row} steps in a row had a non-finite loss or gradient norm "
                      f"(training.max_consecutive_nonfinite={tr.max_consecutive_nonfinite}); the last, step "
-                     f"{self.step}, had {what}")
+                     f"{step}, had {what}")
         else:
-            cause = f"non-finite {what} at step {self.step} (training.on_nonfinite='stop')"
-        docs = self._batch_documents()
-        listing = os.path.join(self.cfg.job.dump_folder, f"nonfinite-step-{self.step}.txt")
+            cause = f"non-finite {what} at step {step} (training.on_nonfinite='stop')"
+        docs = self._batch_documents(m["documents"])
+        listing = os.path.join(self.cfg.job.dump_folder, f"nonfinite-step-{step}.txt")
         if self.rank == 0:
             os.makedirs(self.cfg.job.dump_folder, exist_ok=True)
             with open(listing, "w", encoding="utf-8") as f:
@@ -404,9 +429,9 @@ class Trainer:
         raise NonFiniteError(f"{cause}; this state is not saved{newest}. The step's batch came from {shown} (all "
                              f"in {listing}). Lower optimizer.lr or training.max_norm, check those documents, {advice}")
 
-    def _batch_documents(self) -> list[str]:
-        """Where this step's batch came from, on every rank (collective)."""
-        docs = list(self.dataloader.last_documents)
+    def _batch_documents(self, documents: list[str]) -> list[str]:
+        """Where a step's batch came from (this rank's `documents`), on every rank (collective)."""
+        docs = list(documents)
         if dist.is_initialized():
             parts: list[Any] = [None] * self.world
             dist.all_gather_object(parts, docs)

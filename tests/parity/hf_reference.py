@@ -9,6 +9,7 @@ from transformers import Glm5NextTextConfig  # noqa: E402
 from transformers.models.glm5_next import modeling_glm5_next as hf_mod  # noqa: E402
 
 from torchtitan_glm.models.glm5 import Glm5ModelArgs  # noqa: E402
+from torchtitan_glm.models.glm5.hf_modeling import modeling_to_ours as hf_to_ours  # noqa: E402,F401
 
 
 def tiny_text_config(**overrides) -> dict:
@@ -48,25 +49,6 @@ def randomize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
         if "e_score_correction_bias" in name:
             b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
     return module
-
-
-def hf_to_ours(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF in-memory names (glm5_next modeling) -> ours, for block-level tests."""
-    out = {}
-    for name, t in state.items():
-        n = name.replace("forget_gate.f_a_proj", "f_a_proj").replace("forget_gate.f_b_proj", "f_b_proj")
-        n = n.replace("forget_gate.A_log", "decay.A_log").replace("forget_gate.dt_bias", "decay.dt_bias")
-        n = n.replace("indexer.index_kpool_compress_ape", "indexer.kpool_ape.weight")
-        if n.endswith("conv1d.weight") and "_conv1d" not in n:
-            for part, chunk in zip("qkv", t.chunk(3, 0)):
-                out[n.replace("conv1d", f"{part}_conv1d")] = chunk
-        elif n.endswith("experts.gate_up_proj"):
-            gate, up = t.chunk(2, 1)
-            out[n.replace("gate_up_proj", "gate_proj")] = gate
-            out[n.replace("gate_up_proj", "up_proj")] = up
-        else:
-            out[n] = t
-    return out
 
 
 def load_from_hf(ours: torch.nn.Module, hf: torch.nn.Module, prefix: str = "") -> None:

@@ -19,13 +19,14 @@ def test_benchmark_script_writes_one_row_per_run(tmp_path, scope):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "scripts/benchmark.py", "--flavor", "debug", "--seq-len", "64", "--steps", "1",
-         "--warmup", "1", "--runs", "eager:none,eager:selective:fp8", "--scope", scope, "--out", str(out)],
+         "--warmup", "1", "--runs", "eager:none,eager:selective:fp8", "--scope", scope, "--out", str(out),
+         "--recompute-modules", "kda,mhc"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": str(REPO), "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [(r["mode"], r["ac"], r["scope"], r["float8"]) for r in rows] == [
-        ("eager", "none", scope, "off"), ("eager", "selective", scope, "tensorwise")]
+        ("eager", "none", scope, "off"), ("eager", "selective+kda+mhc", scope, "tensorwise")]
     assert all(r["tokens_per_s"] > 0 and r["step_ms"] > 0 for r in rows)
     assert f"scope: {scope}" in proc.stdout
 
@@ -73,3 +74,29 @@ def test_bench_dsa_variants_run_on_cpu():
     assert len(variants) == 6
     for fn in variants.values():
         fn()
+
+
+def test_benchmark_against_transformers_same_tokens_same_weights_and_ratios(tmp_path):
+    """--against transformers on CPU (fp32, debug flavor): the transformers row first, then ours from its weights on
+    its tokens, so the losses at init agree to fp32 precision; every row of ours carries positive ratios."""
+    out = tmp_path / "against.json"
+    proc = _run("scripts/benchmark.py", "--flavor", "debug", "--seq-len", "32", "--steps", "1", "--warmup", "0",
+                "--runs", "eager:none", "--against", "transformers", "--dtype", "float32", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref, ours = json.loads(out.read_text())
+    assert (ref["mode"], ours["mode"]) == ("transformers", "eager")
+    assert ref["scope"] == ours["scope"] == "reference" and ref["seq_len"] == ours["seq_len"] == 32
+    assert ref["tokens_sha1"] == ours["tokens_sha1"]
+    assert abs(ours["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (ours["loss"], ref["loss"])
+    for r in (ref, ours):
+        assert r["tokens_per_s"] > 0 and r["peak_mem_gib"] > 0
+    assert ours["speed_ratio"] > 0 and ours["memory_ratio"] > 0
+    assert abs(ours["speed_ratio"] - ours["tokens_per_s"] / ref["tokens_per_s"]) < 1e-2 * ours["speed_ratio"]
+    assert abs(ours["memory_ratio"] - ours["peak_mem_gib"] / ref["peak_mem_gib"]) < 1e-2 * ours["memory_ratio"]
+    assert "speed / memory vs transformers" in proc.stdout
+    assert f"| {ours['speed_ratio']}x, {ours['memory_ratio']}x |" in proc.stdout
+
+
+def test_benchmark_against_transformers_refuses_train_scope():
+    proc = _run("scripts/benchmark.py", "--flavor", "debug", "--against", "transformers", "--scope", "train")
+    assert proc.returncode == 2 and "--against transformers compares the reference scope" in proc.stderr

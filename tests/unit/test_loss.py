@@ -19,19 +19,20 @@ from torchtitan_glm.ops.indexer_kl import indexer_kl_dense, indexer_kl_sparse
 from torchtitan_glm.ops.linear_cross_entropy import linear_cross_entropy
 
 
-def test_chunked_ce_equals_full_logits_ce():
+@pytest.mark.parametrize("chunk_size", [8, 37, 64])  # several chunks, exactly one, one larger than the tokens
+def test_chunked_ce_equals_full_logits_ce(chunk_size):
     torch.manual_seed(0)
     h = torch.randn(37, 16, requires_grad=True)
     w = torch.randn(50, 16, requires_grad=True)
     y = torch.randint(0, 50, (37,))
     y[[3, 10, 36]] = -100
     tw = torch.rand(37)
-    loss, per_token = linear_cross_entropy(h, w, y, tw, chunk_size=8)
-    loss.backward()
+    loss, per_token = linear_cross_entropy(h, w, y, tw, chunk_size=chunk_size)
+    (loss * 0.7).backward()  # an upstream gradient other than 1 reaches dX and dW
     h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     ref_tok = F.cross_entropy(h2 @ w2.t(), y, reduction="none", ignore_index=-100)
     ref = (ref_tok * tw).sum()
-    ref.backward()
+    (ref * 0.7).backward()
     torch.testing.assert_close(per_token, ref_tok.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(h.grad, h2.grad, rtol=1e-5, atol=1e-6)
@@ -73,6 +74,41 @@ def test_chunked_ce_bf16_runs_bf16_gemms_and_matches_fp32():
     for got, want in ((h.grad, h32.grad), (w.grad, w32.grad)):
         err = (got.float() - want).norm() / want.norm()
         assert err < 1e-2, err
+
+
+class _Fp32WeightShaped(TorchDispatchMode):
+    """Counts the FP32 tensors of a given shape that ops create."""
+
+    def __init__(self, shape: torch.Size) -> None:
+        super().__init__()
+        self.shape, self.count = shape, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape == self.shape:
+                self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("chunk_size,several", [(40, False), (4096, False), (16, True)])
+def test_chunked_ce_bf16_one_chunk_has_no_fp32_weight_gradient(chunk_size, several):
+    """BF16 head: one chunk writes dW in BF16, so no FP32 [vocab, D] tensor exists in forward or backward; several
+    chunks do sum in FP32 (the control that the count sees such tensors)."""
+    torch.manual_seed(0)
+    h = torch.randn(40, 32).bfloat16().requires_grad_()
+    w = (torch.randn(96, 32) * 0.2).bfloat16().requires_grad_()
+    y = torch.randint(0, 96, (40,))
+    tw = torch.full((40,), 1.0 / 40)
+    with _Fp32WeightShaped(w.shape) as seen:
+        loss, _ = linear_cross_entropy(h, w, y, tw, chunk_size=chunk_size)
+        loss.backward()
+    assert (seen.count > 0) == several, seen.count
+    assert w.grad.dtype == torch.bfloat16 and h.grad.dtype == torch.bfloat16
+    h32, w32 = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    (F.cross_entropy(h32 @ w32.t(), y, reduction="none") * tw).sum().backward()
+    for got, want in ((h.grad, h32.grad), (w.grad, w32.grad)):
+        assert (got.float() - want).norm() / want.norm() < 1e-2
 
 
 def test_model_training_loss_equals_logits_loss():

@@ -171,3 +171,75 @@ def test_clip_dtensor_grads_two_ranks(tmp_path):
         scale = 1.0 / (r["expected"] + 1e-6)
         for c, g in zip(r["clipped"], r["grads"]):
             assert torch.allclose(c, g * scale, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------- [optimizer] choices (issue 12)
+@pytest.mark.parametrize("keys,key", [
+    ({"name": "CPUOffloadOptimizer"}, "optimizer.name"),
+    ({"name": "Adam8bit"}, "optimizer.name"),
+    ({"name": "AdamW8bit", "implementation": "fused"}, "optimizer.implementation"),
+    ({"name": "AdamWFp8", "cpu_offload": True}, "optimizer.cpu_offload"),
+])
+def test_invalid_optimizer_choices_name_the_key(keys, key):
+    from torchtitan_glm.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        OptimizerConfig(**keys).validate()
+    assert e.value.key == key
+    if keys["name"] == "CPUOffloadOptimizer":
+        assert "optimizer.cpu_offload = true" in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamWFp8"])
+def test_low_bit_optimizers_are_built_with_the_config(name):
+    """The plumbing without a step (a step compiles: tests/distributed/test_optimizer_choices.py, slow)."""
+    opt = build_optimizer(model=Toy(), cfg=OptimizerConfig(name=name, lr=2e-3, beta1=0.8, weight_decay=0.05))
+    assert type(opt).__name__ == name and type(opt).__mro__[1].__module__ == "torchao.optim.adam"
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
+    assert all(isinstance(g["lr"], torch.Tensor) and float(g["lr"]) == pytest.approx(2e-3) for g in opt.param_groups)
+    assert opt.param_groups[0]["betas"] == (0.8, 0.95)
+
+
+@pytest.mark.parametrize("name", ["AdamW", "AdamW8bit", "AdamWFp8"])
+def test_optimizer_state_bytes_match_what_the_optimizer_allocates(name):
+    """optimizer_state_bytes (the start-up summary's figure) against the states the optimizer itself makes:
+    torchao's own buffer constructor for the low-bit ones (no step), AdamW's moments after one step."""
+    from torchtitan_glm.components.optimizer import optimizer_state_bytes
+
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 3), nn.Embedding(40, 256))  # 8192, 384, 10240 values
+    model[2].weight.requires_grad_(False)
+    cfg = OptimizerConfig(name=name)
+    opt = build_optimizer(model=model, cfg=cfg)
+    if name == "AdamW":
+        model[1](model[0](torch.randn(2, 64))).sum().backward()
+        opt.step()
+        states = [t for s in opt.state.values() for k, t in s.items() if k != "step"]
+    else:
+        states = [opt._new_buffer(p, signed) for p in model.parameters() if p.requires_grad for signed in (True, False)]
+
+    def nbytes(t: torch.Tensor) -> int:
+        if type(t) is torch.Tensor:
+            return t.numel() * t.element_size()
+        return sum(nbytes(getattr(t, a)) for a in t.__tensor_flatten__()[0])
+
+    assert optimizer_state_bytes(model, cfg) == sum(nbytes(t) for t in states)
+    if name != "AdamW":  # the 8192-value weight is quantised: ~2 bytes per value instead of 8
+        assert optimizer_state_bytes(model, cfg) < 0.4 * optimizer_state_bytes(model, OptimizerConfig())
+
+
+def test_lr_schedule_resume_fills_a_tensor_lr():
+    from torchtitan_glm.components.lr_scheduler import build_lr_scheduler
+    from torchtitan_glm.config import LRSchedulerConfig
+
+    opt = build_optimizer(model=Toy(), cfg=OptimizerConfig(name="AdamW8bit", lr=1e-3))
+    sched = build_lr_scheduler(optimizer=opt, cfg=LRSchedulerConfig(warmup_steps=2), total_steps=10)
+    for _ in range(4):
+        sched.step()
+    want = [float(g["lr"]) for g in opt.param_groups]
+    lr_tensors = [g["lr"] for g in opt.param_groups]
+    fresh = build_optimizer(model=Toy(), cfg=OptimizerConfig(name="AdamW8bit", lr=1e-3))
+    fresh_sched = build_lr_scheduler(optimizer=fresh, cfg=LRSchedulerConfig(warmup_steps=2), total_steps=10)
+    fresh_sched.load_state_dict(sched.state_dict())
+    assert [float(g["lr"]) for g in fresh.param_groups] == pytest.approx(want) and want[0] < 1e-3
+    assert all(isinstance(g["lr"], torch.Tensor) for g in fresh.param_groups)
+    assert all(g["lr"] is t for g, t in zip(opt.param_groups, lr_tensors))

@@ -71,12 +71,25 @@ def test_startup_summary_counts_this_ranks_state():
     text = startup_summary(cfg=cfg, args=model.args, model=model, world=2, dp_size=2, device=torch.device("cpu"),
                            resume="fresh start")
     rows = dict(re.findall(r"^  (\S+(?: \S+)?)\s{2,}(.+)$", text, flags=re.M))
-    assert set(rows) == {"model", "parameters", "layout", "precision", "memory/rank", "tokens/step", "steps",
-                         "dump folder", "tensorboard", "checkpoints", "resume"}
+    assert set(rows) == {"model", "parameters", "layout", "precision", "memory/rank", "loss buffers", "tokens/step",
+                         "steps", "dump folder", "tensorboard", "checkpoints", "resume"}
     assert rows["tokens/step"].startswith("768 ")  # 128 x 3 x 2
+    assert "(AdamW; sharded state)" in rows["memory/rank"]
+    # 384 rows x 2 (trunk + MTP) = 768 <= loss.ce_chunk_size 1024: one chunk, no FP32 [vocab, D] buffer
+    assert rows["loss buffers"] == ("3.00 MiB logits chunk, 128.00 KiB LM-head weight gradient (one chunk: in the "
+                                    "weight's dtype)")  # 768 x 512 x (4 + 4); 512 x 64 x 4
     assert rows["precision"] == "fp32 params, fp32 reduce"
     assert rows["tensorboard"] == "./outputs/debug/tb" and rows["resume"] == "fresh start"
     assert rows["model"].startswith("glm5 (flavor 'debug'): 4 layers (3 KDA + 1 DSA")
+
+    low_bit = load_config(["--config", "train_configs/debug_model.toml", "--optimizer.name", "AdamW8bit",
+                           "--loss.ce_chunk_size", "500", "--training.mixed_precision_param", "bfloat16"])
+    text = startup_summary(cfg=low_bit, args=model.args, model=model, world=2, dp_size=2, device=torch.device("cpu"),
+                           resume="fresh start")
+    rows = dict(re.findall(r"^  (\S+(?: \S+)?)\s{2,}(.+)$", text, flags=re.M))
+    assert "(AdamW8bit; sharded state)" in rows["memory/rank"]
+    assert rows["loss buffers"] == ("1.46 MiB logits chunk, 128.00 KiB LM-head weight gradient (FP32: 1,024 rows > "
+                                    "loss.ce_chunk_size 500)")  # 500 x 512 x (4 + 2); 512 x 64 x 4
 
 
 def test_layout_note_says_what_changed_and_where_the_data_continues():

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torchtitan_glm.components.errors import CheckpointError, NonFiniteError, one_line
 from torchtitan_glm.float8 import plain_tensors
@@ -555,6 +556,8 @@ def _non_finite(names: list[str], tensors: list[torch.Tensor]) -> list[str]:
         local = t.to_local() if hasattr(t, "to_local") else t
         if type(local) is not torch.Tensor and hasattr(local, "_tensor"):  # torchao's FP8 all-gather wrapper
             local = local._tensor
+        if is_traceable_wrapper_subclass(local) and hasattr(local, "dequantize"):  # torchao's low-bit optim states
+            local = local.dequantize()
         if local.numel() == 0 or not (local.is_floating_point() or local.is_complex()):
             continue
         lo, hi = torch.aminmax(local.detach())

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 __all__ = [
-    "init_logging", "format_block", "format_count", "format_bytes", "precision_line", "memory_per_rank",
-    "startup_summary",
+    "init_logging", "format_block", "format_count", "format_bytes", "precision_line", "local_shard",
+    "memory_per_rank", "loss_buffers", "startup_summary",
 ]
 
 _PACKAGE = "torchtitan_glm"
@@ -72,23 +72,37 @@ def precision_line(training: Any, float8: Any = None) -> str:
     return line
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor, unwrapped from torchao's FP8 all-gather wrapper."""
     local = t.to_local() if hasattr(t, "to_local") else t
     return local._tensor if type(local) is not torch.Tensor and hasattr(local, "_tensor") else local
 
 
-def memory_per_rank(model: nn.Module, *, optimizer_states_per_param: int = 2) -> dict[str, int]:
-    """Bytes this rank holds for parameters, gradients and optimizer states, from its local shards (AdamW: two
-    states per trainable parameter, in the parameter's dtype); activations and gathered weights are not counted."""
+def memory_per_rank(model: nn.Module, *, optimizer: Any = None) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer states, from its local shards; the states as
+    the [optimizer] section stores them (`optimizer`: an OptimizerConfig; None: AdamW's two states per trainable
+    parameter in its dtype). Activations and gathered weights are not counted."""
+    from torchtitan_glm.components.optimizer import optimizer_state_bytes
+
     params = grads = 0
     for p in model.parameters():
-        local = _local(p)
+        local = local_shard(p)
         nbytes = local.numel() * local.element_size()
         params += nbytes
         if p.requires_grad:
             grads += nbytes
-    return {"params": params, "grads": grads, "optimizer": optimizer_states_per_param * grads}
+    states = 2 * grads if optimizer is None else optimizer_state_bytes(model, optimizer)
+    return {"params": params, "grads": grads, "optimizer": states}
+
+
+def loss_buffers(*, tokens: int, vocab: int, dim: int, chunk: int, weight_bytes: int) -> dict[str, int]:
+    """Bytes the fused LM-head cross-entropy (ops/linear_cross_entropy.py) holds for `tokens` rows (trunk + MTP):
+    the FP32 logits of one chunk with their softmax gradient in the weight's dtype while it runs, and the weight
+    gradient it keeps from forward to backward: FP32 when it sums several chunks, in the weight's dtype for one."""
+    rows = min(tokens, chunk)
+    several = tokens > chunk
+    return {"logits_chunk": rows * vocab * (4 + weight_bytes),
+            "weight_grad": vocab * dim * (4 if several else weight_bytes), "fp32_weight_grad": int(several)}
 
 
 def _model_line(cfg: Any, args: Any) -> str:
@@ -109,7 +123,14 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
     from torchtitan_glm.components.metrics import count_params
 
     counts = count_params(args)
-    mem = memory_per_rank(model)
+    mem = memory_per_rank(model, optimizer=cfg.optimizer)
+    rows_per_rank = cfg.training.seq_len * cfg.training.local_batch_size
+    head_tokens = rows_per_rank * (2 if args.num_nextn_predict_layers and cfg.loss.mtp_weight > 0 else 1)
+    weight_bytes = 2 if cfg.training.mixed_precision_param == "bfloat16" else 4
+    ce = loss_buffers(tokens=head_tokens, vocab=args.vocab_size, dim=args.hidden_size, chunk=cfg.loss.ce_chunk_size,
+                      weight_bytes=weight_bytes)
+    opt = cfg.optimizer
+    where = "; params, grads and optimizer in host memory (optimizer.cpu_offload)" if opt.cpu_offload else ""
     backend = "nccl" if device.type == "cuda" else "gloo"
     tokens = cfg.training.seq_len * cfg.training.local_batch_size * dp_size
     ck = cfg.checkpoint
@@ -124,7 +145,12 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
         ("layout", f"{world} rank(s), {backend} on {device.type}: " + (layout or f"FSDP2 data_parallel_shard={dp_size}")),
         ("precision", precision_line(cfg.training, cfg.float8)),
         ("memory/rank", f"params {format_bytes(mem['params'])}, grads {format_bytes(mem['grads'])}, optimizer "
-                        f"{format_bytes(mem['optimizer'])} (sharded state; activations not included)"),
+                        f"{format_bytes(mem['optimizer'])} ({opt.name}; sharded state{where}); activations not "
+                        "included"),
+        ("loss buffers", f"{format_bytes(ce['logits_chunk'])} logits chunk, "
+                         f"{format_bytes(ce['weight_grad'])} LM-head weight gradient "
+                         + (f"(FP32: {head_tokens:,} rows > loss.ce_chunk_size {cfg.loss.ce_chunk_size:,})"
+                            if ce["fp32_weight_grad"] else "(one chunk: in the weight's dtype)")),
         ("tokens/step", f"{tokens:,} (seq_len {cfg.training.seq_len} x local_batch_size "
                         f"{cfg.training.local_batch_size} x {dp_size} data-parallel)"),
         ("steps", f"{cfg.training.steps} (on non-finite loss: {cfg.training.on_nonfinite})"),

@@ -56,8 +56,10 @@ def routers(model: torch.nn.Module) -> list[Router]:
 @torch.no_grad()
 def update_router_bias(
     model: torch.nn.Module, counts: list[torch.Tensor], *, rate: float, group: dist.ProcessGroup | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Aux-loss-free balancing: bias_e += rate * sign(mean load - load_e), loads summed over the dp group.
+    """Aux-loss-free balancing: bias_e += rate * sign(mean load - load_e), loads summed over the dp group; with
+    `scale` (a device scalar, 0 or 1) the update is multiplied by it, so a skipped step is decided on the device.
 
     Returns the max/mean load ratio per router (for the imbalance metric).
     """
@@ -71,5 +73,8 @@ def update_router_bias(
         dist.all_reduce(loads, group=group)
     mean = loads.mean(-1, keepdim=True)
     for router, load, m in zip(rs, loads, mean):
-        router.e_score_correction_bias.add_(rate * torch.sign(m - load).to(router.e_score_correction_bias.device))
+        step = rate * torch.sign(m - load)
+        if scale is not None:
+            step = step * scale
+        router.e_score_correction_bias.add_(step.to(router.e_score_correction_bias.device))
     return loads.max(-1).values / mean.squeeze(-1).clamp_min(1e-9)

@@ -43,12 +43,17 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay_type: str
 
 class WarmupDecayLR(LambdaLR):
     """LambdaLR whose load_state_dict also sets each group's lr for the restored step, so a resume is exact
-    whether or not (and in whichever order) the optimizer's own state is loaded."""
+    whether or not (and in whichever order) the optimizer's own state is loaded. A tensor lr (torchao's low-bit
+    optimizers keep one, and refuse a float) is filled in place."""
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
         for group, base, fn in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas):
-            group["lr"] = base * fn(self.last_epoch)
+            lr = base * fn(self.last_epoch)
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(float(lr))
+            else:
+                group["lr"] = lr
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
 

@@ -1,4 +1,5 @@
-"""AdamW with weight-decay exclusions declared by the model, and DTensor-aware global-norm gradient clipping.
+"""AdamW (torch's, or torchao's low-bit AdamW8bit / AdamWFp8) with weight-decay exclusions declared by the model,
+its state's size per rank, and DTensor-aware global-norm gradient clipping.
 
 No decay for: every parameter with ndim < 2 (norm weights, biases, A_log, dt_bias, mHC base/scale), every parameter
 of a module whose class sets `no_weight_decay = True`, and every parameter named in its module's
@@ -14,7 +15,12 @@ from torch import nn
 
 from torchtitan_glm.config import OptimizerConfig
 
-__all__ = ["split_decay_params", "param_groups", "build_optimizer", "clip_grad_norm_"]
+__all__ = ["split_decay_params", "param_groups", "build_optimizer", "optimizer_state_bytes", "clip_grad_norm_"]
+
+# torchao.optim's low-bit AdamW: tensors of at least this many values, in blocks of this many (one FP32 scale per
+# block), are stored quantised (1 byte a value; AdamW8bit adds a 256-entry FP32 code map per state); smaller ones
+# keep states in the parameter's dtype.
+_LOW_BIT_MIN_NUMEL, _LOW_BIT_BLOCK, _QMAP_BYTES = 4096, 256, 256 * 4
 
 
 def split_decay_params(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
@@ -56,20 +62,70 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
-def build_optimizer(*, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
-    """AdamW over `param_groups`; implementation "auto" picks fused when the parameters live on CUDA, else foreach."""
+def build_optimizer(*, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The [optimizer] over `param_groups`: torch's AdamW (implementation "auto": fused when a parameter lives on
+    CUDA, else foreach) or torchao's AdamW8bit / AdamWFp8."""
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
         raise ValueError("model has no trainable parameters")
+    hyper = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    on_cuda = any(p.device.type == "cuda" for g in groups for p in g["params"])
+    if cfg.name != "AdamW":
+        return _low_bit(cfg.name, groups, on_cuda=on_cuda, **hyper)
     impl = cfg.implementation
     if impl == "auto":
-        impl = "fused" if groups[0]["params"][0].device.type == "cuda" else "foreach"
+        impl = "fused" if on_cuda else "foreach"
     flags = {"fused": dict(fused=True, foreach=False), "foreach": dict(fused=False, foreach=True),
              "for-loop": dict(fused=False, foreach=False)}
     if impl not in flags:
         raise ValueError(f"unknown optimizer.implementation {cfg.implementation!r}")
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, **flags[impl])
+    return torch.optim.AdamW(groups, **hyper, **flags[impl])
+
+
+def _low_bit(name: str, groups: list[dict], *, on_cuda: bool, **hyper) -> torch.optim.Optimizer:
+    from torchtitan_glm.config import ConfigError
+
+    try:
+        from torchao.optim import AdamW8bit, AdamWFp8
+    except ImportError as e:  # pragma: no cover - torchao is a dependency
+        raise ConfigError("optimizer.name", f"{name} needs torchao.optim ({e})") from e
+    if name == "AdamWFp8" and on_cuda and torch.cuda.get_device_capability() < (8, 9):
+        raise ConfigError("optimizer.name", "AdamWFp8 needs a GPU of compute capability >= 8.9 (FP8 E4M3); this "
+                          f"one is {torch.cuda.get_device_name()}: use AdamW8bit")
+    base = {"AdamW8bit": AdamW8bit, "AdamWFp8": AdamWFp8}[name]
+
+    class LowBitAdamW(base):  # type: ignore[misc, valid-type]
+        """torchao's optimizer, its per-parameter step compiled without AOTAutograd's on-disk cache: with torch 2.13
+        and torchao 0.18 that cache served AdamW8bit's compiled step to AdamWFp8 (same graph, other state class;
+        "'OptimStateFp8' object has no attribute 'qmap'") once both had run on a machine."""
+
+        def step(self, closure=None):
+            functorch_config = torch._functorch.config
+            if not hasattr(functorch_config, "enable_autograd_cache"):
+                return super().step(closure)
+            with functorch_config.patch(enable_autograd_cache=False):
+                return super().step(closure)
+
+    LowBitAdamW.__name__ = LowBitAdamW.__qualname__ = name
+    return LowBitAdamW(groups, **hyper)
+
+
+def optimizer_state_bytes(model: nn.Module, cfg: OptimizerConfig) -> int:
+    """Bytes of this rank's optimizer states (both AdamW moments; the step counters are negligible), from the
+    local shards of the trainable parameters, as `build_optimizer`'s choice stores them."""
+    from torchtitan_glm.components.logs import local_shard
+
+    total = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        local = local_shard(p)
+        n = local.numel()
+        if cfg.name != "AdamW" and n >= _LOW_BIT_MIN_NUMEL and n % _LOW_BIT_BLOCK == 0:
+            total += 2 * (n + 4 * n // _LOW_BIT_BLOCK + (_QMAP_BYTES if cfg.name == "AdamW8bit" else 0))
+        else:
+            total += 2 * n * local.element_size()
+    return total
 
 
 @torch.no_grad()

@@ -162,19 +162,21 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
     rows = ctx.tokens // ctx.tp * (2 if with_mtp else 1)
     chunk = min(setup.ce_chunk, rows)
     v_local = vocab // ctx.tp if ctx.tp > 1 else vocab
-    ce_kept = rows * d * a + 4 * v_local * d  # grad_h, FP32 grad_w
+    several = rows > chunk  # one chunk writes grad_w in the weight's dtype; several sum it in FP32
+    gw = 4 if several else a
+    ce_kept = rows * d * a + gw * v_local * d  # grad_h, grad_w
     if setup.compiled_loss:  # per chunk: the logits GEMM output with the FP32 gradient formed from it (scatter
         # target), then that with its cast; then the cast with the dW partial
         ce_work = max(chunk * v_local * (a + 4), chunk * v_local * a + v_local * d * a)
     else:  # eager: the FP32 logits (modified in place) stay referenced through the chunk, with the cast, the dW
-        # partial and its FP32 copy
-        ce_work = chunk * v_local * (4 + a) + v_local * d * (a + 4)
+        # partial and (several chunks) its FP32 copy
+        ce_work = chunk * v_local * (4 + a) + v_local * d * (a + (4 if several else 0))
     w.point("forward loss (fused CE)", loss=ce_kept + ce_work + rows * d * a)
     w.live["loss"] += ce_kept
     by_type["lm_head_ce"] = ce_kept
 
     # ----------------------------------------------------------------------------------------- backward
-    ce_bwd = rows * d * a + v_local * d * a + (0 if setup.compiled_loss else 4 * v_local * d)
+    ce_bwd = rows * d * a + v_local * d * a + (0 if setup.compiled_loss else gw * v_local * d)
     head_grad = _unsharded_grads(head, layout, setup, train, a)
     w.point("backward loss (fused CE)", working=ce_bwd, gradients=head_grad)
     w.live["loss"] -= ce_kept

@@ -21,23 +21,25 @@ Expert parallel: each MoE's routed experts are sharded Shard(0) over the ep mesh
   overlapping mesh): ranks that hold the same experts average their gradients like the FP32-kept parameters.
 FP32-kept parameters (`keep_fp32`: mHC maps, A_log/dt_bias, short convs, router, KPool APE, FP32 norms) stay out of
 the BF16 FSDP groups (nested FP32 groups break fullgraph): replicated over the data/context ranks (and sharded
-over tp where the plan says so), their gradients averaged by `Replicated.allreduce_grads`.
+over tp where the plan says so), their gradients averaged by `Replicated.allreduce_grads` (bucketed all-reduces
+launched during backward, distributed/replicated.py).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from torchtitan_glm.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_glm.compile import apply_compile
+from torchtitan_glm.distributed.replicated import DEFAULT_BUCKET_BYTES, ReplicaGroup, Replicated
 
 from .dsa import SparseMLA
 from .kda import KimiDeltaAttention
@@ -143,80 +145,6 @@ def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh) -> list[nn.P
     return params
 
 
-# ------------------------------------------------------------------------------------------ replicated params
-@dataclass
-class ReplicaGroup:
-    """Parameters outside FSDP2 whose copies must agree over `group`; gradients are summed over it and scaled."""
-
-    params: list[nn.Parameter]
-    group: dist.ProcessGroup | None
-    grad_scale: float
-    broadcast_group: dist.ProcessGroup | None = None  # where the values are made equal (default: `group`)
-
-
-@dataclass
-class Replicated:
-    """Every parameter kept out of FSDP2, by the group its copies live on."""
-
-    groups: list[ReplicaGroup] = field(default_factory=list)
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return [p for g in self.groups for p in g.params]
-
-    def __iter__(self):
-        return iter(self.params)
-
-    def allreduce_grads(self) -> None:
-        for g in self.groups:
-            allreduce_replicated_grads(g.params, group=g.group, scale=g.grad_scale)
-
-    def broadcast(self) -> None:
-        for g in self.groups:
-            broadcast_replicated_params(g.params, group=g.broadcast_group or g.group)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def allreduce_replicated_grads(params: list[nn.Parameter], *, group: dist.ProcessGroup | None = None,
-                               scale: float | None = None) -> None:
-    """Sum the gradients of replicated parameters over `group` in one flat all-reduce and multiply by `scale`
-    (default 1/group size: the average). DTensor gradients (tensor/expert-sharded) reduce their local shards."""
-    grads = [_local(p.grad) for p in params if p.grad is not None]
-    if not grads or not dist.is_initialized():
-        return
-    size = dist.get_world_size(group)
-    scale = 1.0 / size if scale is None else scale
-    if size == 1 and scale == 1.0:
-        return
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
-    if size > 1:
-        dist.all_reduce(flat, group=group)
-    flat *= scale
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-@torch.no_grad()
-def broadcast_replicated_params(params: list[nn.Parameter], *, group: dist.ProcessGroup | None = None) -> None:
-    """Make the group's first rank's values of the replicated parameters every member's (after initialisation or
-    loading): random init of sharded DTensors may consume each rank's generator differently, so plain-tensor init
-    alone cannot be trusted to agree. DTensor parameters broadcast their local shards."""
-    if not params or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    flat = torch.cat([_local(p.detach()).reshape(-1).float() for p in params])
-    dist.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    offset = 0
-    for p in params:
-        local = _local(p.data)
-        local.copy_(flat[offset:offset + local.numel()].view_as(local))
-        offset += local.numel()
-
-
 # ------------------------------------------------------------------------------------------ the recipe
 def parallelize_glm5(
     model: nn.Module,
@@ -226,31 +154,39 @@ def parallelize_glm5(
     reduce_dtype: str,
     ac_mode: str,
     compile_enable: bool,
+    recompute_modules: tuple[str, ...] | list[str] = (),
     compile_backend: str = "inductor",
     compile_mode: str = "default",
     compile_components: list[str] | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    cpu_offload: bool = False,
 ) -> Replicated:
     """TP -> EP -> AC -> compile -> FSDP2 in place (meshes from ParallelDims.build_mesh); returns the parameters kept
-    out of FSDP2 and how to keep them in sync."""
+    out of FSDP2 and how to keep them in sync (their gradient all-reduces overlap with backward, in buckets of
+    `bucket_bytes`; distributed/replicated.py). cpu_offload: FSDP2 keeps the sharded parameters, their gradients
+    (and so the optimizer's states) in (pinned, on a GPU) host memory; the parameters kept out of FSDP2 stay put."""
     tp, ep = meshes["tp"], meshes.get("ep")
     if tp.size() > 1:
         apply_tensor_parallel(model, tp_mesh=tp)
     experts = apply_expert_parallel(model, ep_mesh=ep) if ep is not None and ep.size() > 1 else []
-    apply_activation_checkpointing(model, mode=ac_mode)
+    apply_activation_checkpointing(model, mode=ac_mode, recompute_modules=recompute_modules)
     if compile_enable:
         apply_compile(model, backend=compile_backend, mode=compile_mode, components=compile_components or ["model"])
 
     mesh = meshes["fsdp"]
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
     kept = fp32_kept_params(model)
     outside = set(kept) | set(experts)
     for block in _blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=True,
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=True, offload_policy=offload,
                     ignored_params={p for p in block.parameters() if p in outside})
-    fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=True, offload_policy=offload)
     # The head is called once per step after the trunk; keep it gathered from the final norm to the loss.
-    fully_shard([model.norm, model.lm_head], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=outside)
+    fully_shard([model.norm, model.lm_head], mesh=mesh, mp_policy=mp, reshard_after_forward=False,
+                offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=outside,
+                offload_policy=offload)
     register_fsdp_forward_method(model, "logits")  # the inference entry gets the root's FSDP hooks too
 
     dp_cp = meshes["dp_cp"].get_group()
@@ -265,4 +201,5 @@ def parallelize_glm5(
     if experts:
         # each owner already summed its ep group's tokens (the all-to-all backward); add the other expert replicas
         out.groups.append(ReplicaGroup(experts, meshes["edp"].get_group(), 1.0 / dp_cp_size))
+    out.overlap_with_backward(order=reversed(_blocks(model)), bucket_bytes=bucket_bytes)
     return out

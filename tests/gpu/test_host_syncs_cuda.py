@@ -1,0 +1,34 @@
+"""No host sync in a training step on the GPU (issue 12): a non-log step of the debug trainer (fused AdamW, its
+batch already on the device) runs under torch.cuda.set_sync_debug_mode("error"), which raises at any call that
+blocks the host on the device (.item(), a device-to-host copy, a value-dependent shape, a pageable host-to-device
+copy). The CPU counterpart, which counts reads through dispatch modes, is tests/unit/test_host_syncs.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.test_host_syncs import _trainer, world_of_one  # noqa: F401  (fixture)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_a_training_step_does_not_sync(tmp_path, world_of_one):  # noqa: F811
+    trainer = _trainer(tmp_path, "--training.steps", "3", "--metrics.log_freq", "100",
+                       "--optimizer.implementation", "fused", "--training.mixed_precision_param", "bfloat16")
+    assert trainer.device.type == "cuda" and trainer.device_skip
+    trainer.model.train()
+    trainer.step = 1
+    trainer.train_step(next(trainer.dataloader))  # first step: lazy state, kernel autotuning
+    batch = {k: v.to(trainer.device) if isinstance(v, torch.Tensor) else v
+             for k, v in next(trainer.dataloader).items()}
+    torch.cuda.synchronize()
+    trainer.step = 2
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        trainer.train_step(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    metrics = trainer.stats.resolve(2)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(m["loss"])) and not m["nonfinite"] for m in metrics)
