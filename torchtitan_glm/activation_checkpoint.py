@@ -38,7 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 MODES = ("none", "full", "selective")
 RECOMPUTE_MODULES = ("kda", "mhc", "indexer", "mla_up_proj", "sparse_attn", "moe", "mlp")
-# Megatron names that selective already covers, with the reason given in the config error.
+# Megatron names that plain selective already does: accepted (a Megatron config carries over) and change nothing.
 IMPLIED_BY_SELECTIVE = {
     "moe_act": "selective already recomputes the experts' SwiGLU activation from the saved GEMM outputs; "
                "'moe' recomputes the expert GEMMs too",
@@ -97,7 +97,7 @@ class BlockSites:
         from torchtitan_glm.ops.masked_attention import masked_attention
         from torchtitan_glm.ops.sparse_mla import sparse_mla
 
-        self.names = tuple(names)
+        self.names = tuple(n for n in names if n not in IMPLIED_BY_SELECTIVE)
         unknown = set(self.names) - set(RECOMPUTE_MODULES)
         if unknown:
             raise ValueError(f"unknown recompute_modules {sorted(unknown)}; choose from {list(RECOMPUTE_MODULES)}")
