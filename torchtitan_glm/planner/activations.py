@@ -116,10 +116,12 @@ def _kda(t: _Terms, regime: str) -> None:
     residuals = 2 * h * FLA_CHUNK * a if c.device == "cuda" else 0
     if regime == "full":
         return
-    if residuals:
+    # selective AC saves the kda_fwd op's outputs but not the CP op's (kda_cp_fwd): under CP it is recomputed
+    cp_recomputed = regime == "selective" and c.cp > 1
+    if residuals and not cp_recomputed:
         t.tok("kda_fla_residuals", residuals, heads=True)
     if regime == "selective":  # q, k, v, f_b, b, g_b projections and the KDA output (heads); f_a, g_a; o_proj
-        t.tok("kda", (3 * hk + hk + h + hk + hk) * a, heads=True)
+        t.tok("kda", (3 * hk + hk + h + hk + (0 if cp_recomputed else hk)) * a, heads=True)
         t.tok("kda", 2 * k * a + d * a)
         return
     if regime == "compiled":
@@ -364,7 +366,7 @@ def _dsa_forward_work(ctx: ActContext, *, indexer: bool) -> float:
         width = max(args.index_n_heads * ctx.pools, args.num_attention_heads * ctx.keys)
         tiles = 3 * 4 * min(args.indexer_tile_elements, ctx.tokens * width)
         if ctx.collect_stats:
-            work += tiles + _per_token(ctx, 4 * args.kv_lora_rank)  # + the latent in FP32
+            work += tiles + 4 * args.kv_lora_rank * ctx.batch * ctx.keys  # + the (whole rows') latent in FP32
         elif args.dsa_attention == "sparse":
             work += tiles / 3
     return work
@@ -393,7 +395,8 @@ def backward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bo
     if "dsa" in kind or kind == "mtp":
         h, dqk, dv, kvl = args.num_attention_heads, args.qk_head_dim, args.v_head_dim, args.kv_lora_rank
         if args.dsa_attention == "sparse":  # d(absorbed q), d(q_b output), d(o_proj input); FP32 d(latent)
-            work += _per_token(ctx, (h * kvl + h * dqk + h * dv) * a, heads=True) + _per_token(ctx, 4 * kvl)
+            # (under CP the latent's gradient covers the whole rows before its reduce-scatter)
+            work += _per_token(ctx, (h * kvl + h * dqk + h * dv) * a, heads=True) + 4 * kvl * ctx.batch * ctx.keys
         else:  # dq, dk, dv; the bias again
             work += _per_token(ctx, h * (2 * dqk + dv) * a, heads=True) + _per_token(ctx, ctx.keys * a)
     if kind.endswith("moe") or kind == "mtp":

@@ -169,9 +169,10 @@ def _divisors(n: int) -> list[int]:
 
 def describable(layout: Layout, *, args, seq_len: int, gpus_per_node: int) -> str | None:
     """Why the cost model cannot describe `layout`, or None: tp within a node and dividing every head count and MLP
-    width it splits; ep dividing the routed experts and dp_shard x cp, and a multiple of cp; seq_len divisible by
-    2 x cp x index_kpool (zigzag chunks of whole pools). These are the planner's preconditions (issue 10 states the
-    same rules for the trainer); whether the trainer accepts a layout is `trainer_verdict`'s answer."""
+    width it splits; ep dividing the routed experts and dp_shard x cp; seq_len divisible by 2 x cp x index_kpool
+    (zigzag chunks of whole pools). These are the planner's preconditions; whether the trainer accepts a layout is
+    `trainer_verdict`'s answer (it also wants ep a multiple of cp, which the cost model does not need: --what-if
+    plans such a layout, with the trainer's message)."""
     tp, cp, ep = layout.tp, layout.cp, layout.ep
     if tp > gpus_per_node:
         return f"tp={tp} spans more than one node of {gpus_per_node} GPUs"
@@ -182,8 +183,8 @@ def describable(layout: Layout, *, args, seq_len: int, gpus_per_node: int) -> st
         return f"seq_len={seq_len} is not divisible by 2 x cp x index_kpool = {2 * cp * args.index_kpool}"
     if args.n_routed_experts % ep:
         return f"ep={ep} does not divide n_routed_experts={args.n_routed_experts}"
-    if ep > 1 and ((layout.dp_shard * cp) % ep or ep % cp):
-        return f"ep={ep} must divide dp_shard x cp = {layout.dp_shard * cp} and be a multiple of cp={cp}"
+    if ep > 1 and (layout.dp_shard * cp) % ep:
+        return f"ep={ep} must divide dp_shard x cp = {layout.dp_shard * cp}"
     return None
 
 
