@@ -164,3 +164,32 @@ def test_expert_fsdp_what_if():
     assert any(c["name"] == "fsdp all-gather (experts)" for c in sharded["collectives"])
     assert any(c["name"] == "expert grad all-reduce" for c in whole["collectives"])
     assert not any(c["name"] == "expert grad all-reduce" for c in sharded["collectives"])
+
+
+def test_full_config_layout_on_64_h200(monkeypatch, tmp_path):
+    """glm5_3_flash.toml's [parallelism] is accepted by the trainer on 64 ranks, and its comment's figures are the
+    planner's: it fits with the experts FSDP2-sharded (--expert-fsdp), and does not with today's parallelize.py."""
+    import re
+
+    from torchtitan_glm.planner import Request, plan
+    from torchtitan_glm.planner.hardware import GIB, H200
+
+    flash = "train_configs/glm5_3_flash.toml"
+    (tmp_path / "tokens.bin").write_bytes(b"\0" * 64)  # its data path is a placeholder for the cluster's file
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    dims, _ = check_layout(load_config(["--config", flash, f"--data.paths={tmp_path / 'tokens.bin'}"]))
+    assert (dims.dp_shard, dims.ep, dims.cp, dims.tp) == (64, 16, 1, 1)
+    monkeypatch.delenv("WORLD_SIZE")
+    what_if = plan(Request(("--config", flash), 64, H200, expert_fsdp=True))
+    assert what_if.verdict.accepted and what_if.fits
+    today = plan(Request(("--config", flash), 64, H200))
+    assert not today.fits
+    comment = (ROOT / flash).read_text()
+    stated = re.search(r"peak ([\d.]+) GiB allocated, reserve\n# estimate ([\d.]+) GiB of [\d.]+ \(fits within 90%\); "
+                       r"step ([\d.]+) s, ([\d,]+) tokens/s, estimated MFU ([\d.]+)%", comment)
+    assert stated, "the [parallelism] comment's figures"
+    peak, reserve, step, tps, mfu = stated.groups()
+    assert (float(peak), float(reserve)) == (round(what_if.memory.peak / GIB, 1), round(what_if.memory.reserved / GIB, 1))
+    assert float(step) == round(what_if.time.step_s, 2) and int(tps.replace(",", "")) == round(what_if.time.tokens_per_s)
+    assert float(mfu) == round(100 * what_if.time.mfu, 1)
+    assert f"a {today.memory.peak / GIB:.1f} GiB peak per GPU" in comment
