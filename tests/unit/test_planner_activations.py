@@ -60,8 +60,9 @@ class _Capture(nn.Module):
             return self.inner(*args, **kwargs)
 
 
-def measured_saved(mode: str, ac: str, *, sparse_kl: bool = False) -> dict[str, int]:
-    """Bytes each captured block keeps, for one training step of the small model (BF16 weights, one document)."""
+def captured_model(mode: str, ac: str) -> tuple[Glm5Model, dict[str, dict[int, int]], torch.Tensor, torch.Tensor]:
+    """The small model (BF16 weights) with each block of KINDS wrapped for `ac`, compiled if `mode` says so, and
+    captured; its sinks (storage -> bytes per block) and one row of tokens and labels (one document)."""
     args = get_flavor("debug").replace(**WIDTHS)
     torch.manual_seed(0)
     model = Glm5Model(args).to(torch.bfloat16)
@@ -81,6 +82,12 @@ def measured_saved(mode: str, ac: str, *, sparse_kl: bool = False) -> dict[str, 
     tokens = torch.randint(0, args.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(1))
     labels = torch.roll(tokens, -1, 1)
     labels[:, -1] = -100
+    return model, sinks, tokens, labels
+
+
+def measured_saved(mode: str, ac: str, *, sparse_kl: bool = False) -> dict[str, int]:
+    """Bytes each captured block keeps, for one training step of the small model."""
+    model, sinks, tokens, labels = captured_model(mode, ac)
     out = model(tokens, labels, doc_ids=torch.zeros_like(tokens), token_scale=1.0 / SEQ, mtp_scale=0.1 / SEQ,
                 indexer_kl="sparse" if sparse_kl else "dense")
     (out.loss + indexer_kl_loss(out.indexer_stats)).backward()
