@@ -193,3 +193,14 @@ def test_full_config_layout_on_64_h200(monkeypatch, tmp_path):
     assert float(step) == round(what_if.time.step_s, 2) and int(tps.replace(",", "")) == round(what_if.time.tokens_per_s)
     assert float(mfu) == round(100 * what_if.time.mfu, 1)
     assert f"a {today.memory.peak / GIB:.1f} GiB peak per GPU" in comment
+
+
+def test_layout_overrides_reach_the_trainer_whole():
+    """A layout key set back to its default on the command line is what the trainer checks, not the config's value:
+    debug_model_ep.toml says ep = 2, which cp = 4 would reject; with ep = 1 the layout is valid."""
+    ep_config = ["--config", "train_configs/debug_model_ep.toml"]
+    layout = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "4"]
+    with pytest.raises(ConfigError, match="multiple of context_parallel_degree"):
+        run([*ep_config, "--gpus", "4", *layout])
+    out = json.loads(run([*ep_config, "--gpus", "4", "--json", *layout, "--parallelism.expert_parallel_degree", "1"]))
+    assert out["trainer_accepts"] and out["layout"]["ep"] == 1 and out["layout"]["cp"] == 4

@@ -60,14 +60,14 @@ class Layout:
         return self.fsdp // self.ep
 
     def parallelism_overrides(self, *, explicit_shard: bool = True) -> list[str]:
-        """`--parallelism.key=value` arguments for train.py, keys at their default left out."""
+        """`--parallelism.key=value` arguments for train.py, every key (a key left out would take the config's
+        value, not the default); dp_shard as -1 unless `explicit_shard`."""
         out = []
-        for field, (key, default) in PARALLELISM_KEYS.items():
+        for field, (key, _) in PARALLELISM_KEYS.items():
             value = getattr(self, field)
             if field == "dp_shard" and not explicit_shard:
                 value = -1
-            if value != default:
-                out.append(f"--parallelism.{key}={value}")
+            out.append(f"--parallelism.{key}={value}")
         return out
 
     def describe(self) -> str:
