@@ -8,11 +8,12 @@ layer type), FLOPs per token, communication per collective, step time, tokens/s 
 The layout is the config's [parallelism] with `--parallelism.<key> value` overrides (TorchTitan's keys:
 data_parallel_replicate_degree, data_parallel_shard_degree, tensor_parallel_degree, context_parallel_degree,
 expert_parallel_degree). A layout the trainer rejects exits 2 with the trainer's own message, unless --what-if (then
-it is planned as issue 10 describes it and marked); --expert-fsdp plans EP with the experts FSDP2-sharded
-(TorchTitan's design) instead of parallelize.py's whole experts out of FSDP2, also marked. --search plans every layout of N GPUs the cost model describes
-(with each --ac mode and --local-batch) and ranks those that fit within 90% of the card by tokens/s. --scope
-bench_train / bench_reference plans scripts/benchmark.py's training / reference scope on one device. Every
-assumption is printed with the plan (torchtitan_glm/planner/ says how each number is made).
+it is planned all the same and marked, e.g. ep not a multiple of cp); --expert-fsdp plans EP with the experts
+FSDP2-sharded (TorchTitan's design) instead of parallelize.py's whole experts out of FSDP2, also marked. --search
+plans every layout of N GPUs the cost model describes, context parallelism included (with each --ac mode and
+--local-batch) and ranks those that fit within 90% of the card by tokens/s. --scope bench_train / bench_reference
+plans scripts/benchmark.py's training / reference scope on one device. Every assumption is printed with the plan
+(torchtitan_glm/planner/ says how each number is made).
 """
 
 from __future__ import annotations

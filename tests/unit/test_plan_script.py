@@ -12,6 +12,7 @@ import pytest
 
 from torchtitan_glm.components.metrics import flops_per_token
 from torchtitan_glm.config import ConfigError, load_config
+from torchtitan_glm.models.glm5.args import KDA
 from torchtitan_glm.planner.core import MEMORY_FIELDS, PLAN_FIELDS, SCHEMA, SEARCH_SCHEMA, TIME_FIELDS
 from torchtitan_glm.train import build_model_args, check_layout
 
@@ -39,7 +40,9 @@ def _trainer_error(argv: list[str], world: int, monkeypatch) -> str:
     ["--parallelism.data_parallel_shard_degree", "3"],  # the degrees' product is not the world size
     ["--parallelism.data_parallel_shard_degree", "0"],  # a bad value: ParallelismConfig.validate
     ["--parallelism.expert_parallel_degree", "3"],  # does not divide the layout (ParallelDims) / the experts
-    ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2"],  # not wired yet
+    # context parallel: rows are not a whole number of 2 x cp zigzag chunks of whole pools (validate_model_layout)
+    ["--training.seq_len", "120", "--parallelism.data_parallel_shard_degree", "1",
+     "--parallelism.context_parallel_degree", "2"],
 ])
 def test_rejected_with_the_trainers_message(layout, monkeypatch):
     with pytest.raises((ConfigError, ValueError)) as err:
@@ -80,11 +83,45 @@ def test_json_schema_and_trainer_flops():
 
 
 def test_what_if_plans_a_rejected_layout_and_keeps_the_message(monkeypatch):
-    layout = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2"]
-    out = json.loads(run([*DEBUG, "--gpus", "2", "--json", "--what-if", *layout]))
-    assert not out["trainer_accepts"]
-    assert out["trainer_message"] == _trainer_error([*DEBUG, *layout], 2, monkeypatch)
-    assert out["layout"]["cp"] == 2 and any(c["name"] == "cp kda state chain" for c in out["collectives"])
+    """ep = 2 inside cp = 4: the trainer wants ep a multiple of cp (its mesh borrows whole cp groups); the cost model
+    can describe it, so --what-if plans it with the trainer's message and without --what-if it exits with it."""
+    layout = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "4",
+              "--parallelism.expert_parallel_degree", "2"]
+    message = _trainer_error([*DEBUG, *layout], 4, monkeypatch)
+    with pytest.raises(ConfigError) as err:
+        run([*DEBUG, "--gpus", "4", *layout])
+    assert str(err.value) == message
+    out = json.loads(run([*DEBUG, "--gpus", "4", "--json", "--what-if", *layout]))
+    assert not out["trainer_accepts"] and out["trainer_message"] == message
+    assert out["design"].startswith("what-if")
+    names = {c["name"] for c in out["collectives"]}
+    assert {"cp kda state all-gather", "cp dsa latent all-gather/reduce-scatter", "ep all-to-all"} <= names
+
+
+def test_context_parallel_plan():
+    """CP = 2 (accepted by the trainer): each rank computes half of every row, so half the tokens of a dp = 2 rank
+    and smaller activations (but more than half: DSA keeps the gathered latent and pools the whole rows); per step the
+    DSA layers (and the MTP's) gather the other rank's latent and indexer keys/gates, the KDA layers their states."""
+    argv = [*DEBUG, "--training.seq_len", "2048"]  # activations of a size the JSON's 1/1000 GiB resolves
+    cfg = load_config(argv)
+    args = build_model_args(cfg)
+    bsz, seq = cfg.training.local_batch_size, cfg.training.seq_len
+    dp = json.loads(run([*argv, "--gpus", "2", "--json"]))
+    cp = json.loads(run([*argv, "--gpus", "2", "--json", "--parallelism.data_parallel_shard_degree", "1",
+                         "--parallelism.context_parallel_degree", "2"]))
+    assert cp["trainer_accepts"] and cp["design"] == "parallelize.py" and cp["layout"]["cp"] == 2
+    assert cp["tokens_per_step"] * 2 == dp["tokens_per_step"] == 2 * bsz * seq
+    act = lambda plan: sum(plan["memory"]["activations_by_layer_type_gib"].values())  # noqa: E731
+    assert act(dp) / 2 < act(cp) < act(dp)
+    colls = {c["name"]: c for c in cp["collectives"]}
+    n_kda = sum(t == KDA for t in args.layer_types)
+    n_dsa = args.num_hidden_layers - n_kda + args.num_nextn_predict_layers  # the MTP layer attends with DSA
+    latent = colls["cp dsa latent all-gather/reduce-scatter"]
+    assert latent["calls"] == 2 * n_dsa  # forward all-gather, backward reduce-scatter (no AC)
+    # per call each rank receives the other rank's half rows of the latent (FP32 here: the debug config computes FP32)
+    assert latent["bytes_per_rank"] == pytest.approx(latent["calls"] * bsz * seq / 2 * args.kv_lora_rank * 4)
+    assert colls["cp kda state all-gather"]["calls"] == 2 * n_kda * bsz  # per row, forward and backward
+    assert not any(c["name"].startswith("cp ") for c in dp["collectives"])
 
 
 def test_expert_parallel_plan(monkeypatch):
@@ -104,12 +141,15 @@ def test_expert_parallel_plan(monkeypatch):
 def test_search_json(monkeypatch):
     out = json.loads(run([*DEBUG, "--gpus", "2", "--search", "--json", "--ac", "none,full", "--top", "50"]))
     assert out["schema"] == SEARCH_SCHEMA and out["gpus"] == 2
-    accepted = out["candidates"] - out["rejected_by_trainer"]
-    assert 1 <= accepted < out["candidates"]  # context parallelism is rejected today
-    assert out["planned"] == 2 * accepted  # two AC modes each
+    # on 2 ranks: dp_shard 2 (ep 1, 2), dp_replicate 2, cp 2 (ep 1, 2), tp 2; the trainer accepts every one
+    assert out["candidates"] == 6 and out["rejected_by_trainer"] == 0
+    assert out["planned"] == 2 * out["candidates"]  # two AC modes each
     speeds = [p["time"]["tokens_per_s"] for p in out["top"]]
     assert speeds == sorted(speeds, reverse=True) and all(p["memory"]["fits"] for p in out["top"])
     assert all(p["trainer_accepts"] for p in out["top"])
+    layouts = {(p["layout"]["dp_replicate"], p["layout"]["dp_shard"], p["layout"]["tp"], p["layout"]["ep"],
+                p["layout"]["cp"]) for p in out["top"]}
+    assert {(1, 1, 1, 1, 2), (1, 1, 1, 2, 2)} <= layouts  # context-parallel layouts are searched
 
 
 def test_expert_fsdp_what_if():
@@ -124,3 +164,43 @@ def test_expert_fsdp_what_if():
     assert any(c["name"] == "fsdp all-gather (experts)" for c in sharded["collectives"])
     assert any(c["name"] == "expert grad all-reduce" for c in whole["collectives"])
     assert not any(c["name"] == "expert grad all-reduce" for c in sharded["collectives"])
+
+
+def test_full_config_layout_on_64_h200(monkeypatch, tmp_path):
+    """glm5_3_flash.toml's [parallelism] is accepted by the trainer on 64 ranks, and its comment's figures are the
+    planner's: it fits with the experts FSDP2-sharded (--expert-fsdp), and does not with today's parallelize.py."""
+    import re
+
+    from torchtitan_glm.planner import Request, plan
+    from torchtitan_glm.planner.hardware import GIB, H200
+
+    flash = "train_configs/glm5_3_flash.toml"
+    (tmp_path / "tokens.bin").write_bytes(b"\0" * 64)  # its data path is a placeholder for the cluster's file
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    dims, _ = check_layout(load_config(["--config", flash, f"--data.paths={tmp_path / 'tokens.bin'}"]))
+    assert (dims.dp_shard, dims.ep, dims.cp, dims.tp) == (64, 16, 1, 1)
+    monkeypatch.delenv("WORLD_SIZE")
+    what_if = plan(Request(("--config", flash), 64, H200, expert_fsdp=True))
+    assert what_if.verdict.accepted and what_if.fits
+    today = plan(Request(("--config", flash), 64, H200))
+    assert not today.fits
+    comment = (ROOT / flash).read_text()
+    stated = re.search(r"peak ([\d.]+) GiB allocated, reserve\n# estimate ([\d.]+) GiB of [\d.]+ \(fits within 90%\); "
+                       r"step ([\d.]+) s, ([\d,]+) tokens/s, estimated MFU ([\d.]+)%", comment)
+    assert stated, "the [parallelism] comment's figures"
+    peak, reserve, step, tps, mfu = stated.groups()
+    assert (float(peak), float(reserve)) == (round(what_if.memory.peak / GIB, 1), round(what_if.memory.reserved / GIB, 1))
+    assert float(step) == round(what_if.time.step_s, 2) and int(tps.replace(",", "")) == round(what_if.time.tokens_per_s)
+    assert float(mfu) == round(100 * what_if.time.mfu, 1)
+    assert f"a {today.memory.peak / GIB:.1f} GiB peak per GPU" in comment
+
+
+def test_layout_overrides_reach_the_trainer_whole():
+    """A layout key set back to its default on the command line is what the trainer checks, not the config's value:
+    debug_model_ep.toml says ep = 2, which cp = 4 would reject; with ep = 1 the layout is valid."""
+    ep_config = ["--config", "train_configs/debug_model_ep.toml"]
+    layout = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "4"]
+    with pytest.raises(ConfigError, match="multiple of context_parallel_degree"):
+        run([*ep_config, "--gpus", "4", *layout])
+    out = json.loads(run([*ep_config, "--gpus", "4", "--json", *layout, "--parallelism.expert_parallel_degree", "1"]))
+    assert out["trainer_accepts"] and out["layout"]["ep"] == 1 and out["layout"]["cp"] == 4

@@ -43,6 +43,12 @@ class _Capture(nn.Module):
         super().__init__()
         self.inner, self.param_ptrs, self.sink = inner, param_ptrs, sink
 
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # the model reads block attributes (e.g. shares_indices) through the wrapper
+            return getattr(self.inner, name)
+
     def forward(self, *args, **kwargs):
         def pack(t: torch.Tensor) -> torch.Tensor:
             ptr = t.untyped_storage().data_ptr()
@@ -54,8 +60,9 @@ class _Capture(nn.Module):
             return self.inner(*args, **kwargs)
 
 
-def measured_saved(mode: str, ac: str, *, sparse_kl: bool = False) -> dict[str, int]:
-    """Bytes each captured block keeps, for one training step of the small model (BF16 weights, one document)."""
+def captured_model(mode: str, ac: str) -> tuple[Glm5Model, dict[str, dict[int, int]], torch.Tensor, torch.Tensor]:
+    """The small model (BF16 weights) with each block of KINDS wrapped for `ac`, compiled if `mode` says so, and
+    captured; its sinks (storage -> bytes per block) and one row of tokens and labels (one document)."""
     args = get_flavor("debug").replace(**WIDTHS)
     torch.manual_seed(0)
     model = Glm5Model(args).to(torch.bfloat16)
@@ -75,8 +82,14 @@ def measured_saved(mode: str, ac: str, *, sparse_kl: bool = False) -> dict[str, 
     tokens = torch.randint(0, args.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(1))
     labels = torch.roll(tokens, -1, 1)
     labels[:, -1] = -100
-    out = model(tokens, doc_ids=torch.zeros_like(tokens), labels=labels, token_scale=1.0 / SEQ, mtp_scale=0.1 / SEQ,
-                collect_indexer_stats=True, indexer_sparse_loss=sparse_kl)
+    return model, sinks, tokens, labels
+
+
+def measured_saved(mode: str, ac: str, *, sparse_kl: bool = False) -> dict[str, int]:
+    """Bytes each captured block keeps, for one training step of the small model."""
+    model, sinks, tokens, labels = captured_model(mode, ac)
+    out = model(tokens, labels, doc_ids=torch.zeros_like(tokens), token_scale=1.0 / SEQ, mtp_scale=0.1 / SEQ,
+                indexer_kl="sparse" if sparse_kl else "dense")
     (out.loss + indexer_kl_loss(out.indexer_stats)).backward()
     return {name: sum(s.values()) for name, s in sinks.items()}
 

@@ -41,6 +41,7 @@ class ActContext:
     fp32_params: bool = True  # FP32-kept parameters are FP32 (trainer); False: cast to BF16 (benchmark)
     collect_stats: bool = True  # the indexer runs with gradients and returns KL statistics (training)
     sparse_kl: bool = False  # the KL over the selected pools only (loss.indexer_sparse_loss)
+    cp: int = 1  # context-parallel degree: seq = keys / cp, and DSA all-gathers the whole rows (see _dsa)
 
     @property
     def tokens(self) -> int:
@@ -61,6 +62,10 @@ class _Terms:
 
     def tok(self, name: str, per_token: float, *, heads: bool = False) -> None:
         self.out[name] = self.out.get(name, 0.0) + per_token * self.ctx.tokens / (self.ctx.tp if heads else 1)
+
+    def key(self, name: str, per_key: float) -> None:
+        """A term over the whole rows (x rows x keys): under context parallelism what DSA all-gathers and pools."""
+        self.out[name] = self.out.get(name, 0.0) + per_key * self.ctx.batch * self.ctx.keys
 
     def fixed(self, name: str, nbytes: float) -> None:
         self.out[name] = self.out.get(name, 0.0) + nbytes
@@ -111,10 +116,12 @@ def _kda(t: _Terms, regime: str) -> None:
     residuals = 2 * h * FLA_CHUNK * a if c.device == "cuda" else 0
     if regime == "full":
         return
-    if residuals:
+    # selective AC saves the kda_fwd op's outputs but not the CP op's (kda_cp_fwd): under CP it is recomputed
+    cp_recomputed = regime == "selective" and c.cp > 1
+    if residuals and not cp_recomputed:
         t.tok("kda_fla_residuals", residuals, heads=True)
     if regime == "selective":  # q, k, v, f_b, b, g_b projections and the KDA output (heads); f_a, g_a; o_proj
-        t.tok("kda", (3 * hk + hk + h + hk + hk) * a, heads=True)
+        t.tok("kda", (3 * hk + hk + h + hk + (0 if cp_recomputed else hk)) * a, heads=True)
         t.tok("kda", 2 * k * a + d * a)
         return
     if regime == "compiled":
@@ -145,7 +152,12 @@ def selected_tokens(args: Glm5ModelArgs, keys: int) -> int:
 def _dsa(t: _Terms, regime: str, *, indexer: bool) -> None:
     """The DSA block: q/kv latents, the absorbed sparse MLA (ops/sparse_mla.py) over the indexer's token indices,
     the indexer's tiled top-k and KL (ops/indexer_topk.py, ops/indexer_kl.py: the KL's gradients are formed in the
-    forward and kept). In the dense warm-up stage (`dsa_attention="dense"`) masked SDPA instead."""
+    forward and kept). In the dense warm-up stage (`dsa_attention="dense"`) masked SDPA instead.
+
+    Context parallelism (dsa.py): the latent and the indexer's per-token keys and gate logits are all-gathered over
+    the cp ranks (each unshard keeps its [T] int64 zigzag index), the attention keeps the gathered latent, the
+    pooling runs over the whole rows, and the indexer's top-k / KL run once per zigzag chunk (2), each keeping its
+    own whole-row pooled-key gradient. Checked against captures under gloo (tests/distributed/test_planner_cp.py)."""
     c, a = t.ctx, t.ctx.act
     args = c.args
     d, h = args.hidden_size, args.num_attention_heads
@@ -156,11 +168,26 @@ def _dsa(t: _Terms, regime: str, *, indexer: bool) -> None:
     big_k = selected_tokens(args, keys)
     k_pools = min(args.index_topk // kp, keys // kp)
     kl = indexer and c.collect_stats  # the indexer's KL runs (and keeps its gradients) only in training
-    kl_grads = 4 * ih * idim + 4 * ih + 4 * idim / kp  # dq, dw (per token), dpk (per pool)
+    kl_grads = 4 * ih * idim + 4 * ih  # dq, dw (per token); dpk (per pool of the row, per query chunk): kl_dpk
+    cp = c.cp > 1
+    gathers = (1 + (2 if indexer and (sparse or kl) else 0)) if cp else 0  # latent (+ indexer keys and gates)
     if regime == "full":
         return
+
+    def kl_dpk() -> None:
+        t.key("indexer", (2 if cp else 1) * 4 * idim / kp)
+
+    def latent(per_token_copies: int, name: str) -> None:
+        """The attention's latent (with `per_token_copies - 1` other local copies): the local one, or under CP the
+        gathered rows, plus each unshard's [T] int64 zigzag index."""
+        if cp:
+            t.tok(name, (per_token_copies - 1) * kvl * a)
+            t.key("attention", kvl * a)
+            t.fixed("attention", 8 * keys * gathers)
+        else:
+            t.tok(name, per_token_copies * kvl * a)
     if regime == "selective":  # matmul/bmm outputs and the custom ops' outputs (not recomputable)
-        t.tok("mla", (ql + kvl + d) * a)  # q_a, kv_a, o_proj
+        t.tok("mla", (ql + kvl + d) * a)  # q_a, kv_a, o_proj (under CP the gathers are recomputed in the backward)
         t.tok("mla", h * dqk * a, heads=True)  # q_b
         if sparse:
             t.tok("attention", 2 * h * kvl * a + h * dv * a + 4 * h, heads=True)  # absorbed q, output; w_uv; lse
@@ -170,9 +197,11 @@ def _dsa(t: _Terms, regime: str, *, indexer: bool) -> None:
             t.tok("attention", (h * (dqk + dv) + h * dv) * a + 4 * h, heads=True)  # kv_b, SDPA output, lse
         if kl:
             t.tok("indexer", 2 * idim * a + kl_grads)  # wk and KPool gate outputs; the KL's gradients
+            kl_dpk()
         return
     if regime == "compiled":
-        t.tok("mla", 2 * ql * a + 2 * kvl * a + 2 * 4)  # q_a/kv_a outputs and their normalised copies, rsqrt
+        t.tok("mla", 2 * ql * a + 2 * 4)  # q_a output and its normalised copy, rsqrt
+        latent(2, "mla")  # kv_a output and its normalised copy (the attention's latent)
         t.tok("mla", h * dqk * a + h * dv * a, heads=True)  # q_b output, o_proj input
         if sparse:
             t.tok("attention", 2 * h * kvl * a + 4 * h, heads=True)  # absorbed q, output, lse
@@ -182,22 +211,27 @@ def _dsa(t: _Terms, regime: str, *, indexer: bool) -> None:
             t.tok("attention", keys)  # the boolean mask
         t.tok("block_out", d * a)
         if kl:
-            t.tok("indexer", kl_grads + 2 * idim * a + 8 + 8)  # gradients, wk/gate outputs, slot ids, LN stats
+            t.tok("indexer", kl_grads + 8)  # the KL's gradients, LN stats
+            (t.key if cp else t.tok)("indexer", 2 * idim * a + 8)  # wk/gate outputs (gathered under CP), slot ids
+            kl_dpk()
         return
     # eager
     t.tok("mla", d * a + (4 * ql + 4 + ql * a) + ql * a + (4 * kvl + 4 + kvl * a))  # input, q_a/kv_a norms, qr
     t.tok("mla", h * dqk * a + h * dv * a, heads=True)  # q_b output (absorption), o_proj input
     if sparse:
         t.tok("attention", 2 * h * kvl * a + 4 * h, heads=True)
-        t.tok("attention", kvl * a + 4 * big_k)  # the latent, int32 token indices
+        t.tok("attention", 4 * big_k)  # int32 token indices
     else:
         t.tok("attention", (h * (dqk + dv) + h * dv) * a + 4 * h, heads=True)
-        t.tok("attention", kvl * a + keys * a)  # the latent, the float bias
+        t.tok("attention", keys * a)  # the float bias
+    latent(1, "attention")
     if kl:
         if not c.fp32_params:
             t.fixed("indexer", kp * idim * 4)
         acc = 8 * idim if args.kpool_fp32_accumulate else 4 * idim + 2 * idim * a
-        t.tok("indexer", kl_grads + idim * a + 2 * a + 8 + acc)  # gradients; wk output, LN stats; KPool softmax
+        t.tok("indexer", kl_grads + idim * a + 2 * a)  # gradients; wk output, LN stats
+        t.key("indexer", 8 + acc)  # the pools' token ids; the KPool softmax over the (whole) rows
+        kl_dpk()
 
 
 def _dense_mlp(t: _Terms, regime: str, width: int, name: str) -> None:
@@ -250,6 +284,8 @@ def saved(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bool = Fal
     # [B, T] int64 inputs a checkpointed block keeps: document ids and positions (full AC: the DSA blocks' document
     # keys too)
     ints = 8 * (3 if regime == "full" and ("dsa" in kind or kind == "mtp") else 2)
+    if ctx.cp > 1 and regime == "full":
+        ints = 0  # captured under CP: the checkpoint records no int64 input (tests/distributed/test_planner_cp.py)
     if kind == "mtp":
         if regime != "eager":  # trunk hidden states, next-token embeddings (eager keeps their FP32 copies instead)
             t.tok("inputs", 2 * d * a + (ints if regime in ("full", "selective") else 0))
@@ -330,7 +366,7 @@ def _dsa_forward_work(ctx: ActContext, *, indexer: bool) -> float:
         width = max(args.index_n_heads * ctx.pools, args.num_attention_heads * ctx.keys)
         tiles = 3 * 4 * min(args.indexer_tile_elements, ctx.tokens * width)
         if ctx.collect_stats:
-            work += tiles + _per_token(ctx, 4 * args.kv_lora_rank)  # + the latent in FP32
+            work += tiles + 4 * args.kv_lora_rank * ctx.batch * ctx.keys  # + the (whole rows') latent in FP32
         elif args.dsa_attention == "sparse":
             work += tiles / 3
     return work
@@ -359,7 +395,8 @@ def backward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bo
     if "dsa" in kind or kind == "mtp":
         h, dqk, dv, kvl = args.num_attention_heads, args.qk_head_dim, args.v_head_dim, args.kv_lora_rank
         if args.dsa_attention == "sparse":  # d(absorbed q), d(q_b output), d(o_proj input); FP32 d(latent)
-            work += _per_token(ctx, (h * kvl + h * dqk + h * dv) * a, heads=True) + _per_token(ctx, 4 * kvl)
+            # (under CP the latent's gradient covers the whole rows before its reduce-scatter)
+            work += _per_token(ctx, (h * kvl + h * dqk + h * dv) * a, heads=True) + 4 * kvl * ctx.batch * ctx.keys
         else:  # dq, dk, dv; the bias again
             work += _per_token(ctx, h * (2 * dqk + dv) * a, heads=True) + _per_token(ctx, ctx.keys * a)
     if kind.endswith("moe") or kind == "mtp":

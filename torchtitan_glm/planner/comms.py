@@ -117,15 +117,45 @@ def other_collectives(inv: ModelInventory, layout: Layout, gpu: GpuSpec, ctx: Ac
             heads = args.num_attention_heads * args.kv_lora_rank * a
             out.append(_coll("tp all-gather (KL queries)", layout.tp, n_dsa, n_dsa * tokens * heads, layout.tp, gpu))
     if layout.cp > 1:
-        h, k = args.linear_num_heads // layout.tp, args.linear_head_dim
-        state = h * k * k * 4  # the KDA state passed along the ranks, forward and backward
-        calls = n_kda * 2 * (1 + int(recompute))
-        link, bw = _link(layout.cp * layout.tp, gpu)
-        # a chain: cp - 1 sequential hops of the whole state, not a ring share
-        out.append(Collective("cp kda state chain", layout.cp, calls, calls * state, link,
-                              calls * (layout.cp - 1) * (state / bw + gpu.collective_latency_s), False))
-        row = ctx.batch * ctx.keys * (args.kv_lora_rank + args.index_head_dim / args.index_kpool) * a
-        calls = n_dsa * (2 + int(recompute))  # latent and pooled keys: all-gather forward, reduce-scatter backward
-        out.append(_coll("cp dsa latent all-gather/reduce-scatter", layout.cp, calls, calls * row,
-                         layout.cp * layout.tp, gpu))
+        out += cp_collectives(inv, layout, gpu, ctx, regime=regime, n_kda=n_kda,
+                              dsa=[u for u in layers if "dsa" in u.kind or u.kind == "mtp"])
     return [c for c in out if c is not None]
+
+
+def cp_collectives(inv: ModelInventory, layout: Layout, gpu: GpuSpec, ctx: ActContext, *, regime: str, n_kda: int,
+                   dsa: list[Unit]) -> list[Collective | None]:
+    """Context parallelism as the model runs it (all on the critical path, over the cp ranks: span cp x tp):
+    - KDA (ops/kda_cp.py, FLA's CP path on CUDA): per layer and row, the forward all-gathers every rank's exported
+      states [2 zigzag parts, H, K, V + K] (FP32) and the backward the same for their gradients; both all-gather the
+      rows' document ids first ([B, T_local] int64);
+    - the three short convs' halos (conv_halo): an all-gather of each slot's last W-1 tokens [B, 2, W-1, H x K]
+      forward, its reduce-scatter backward;
+    - DSA (dsa.py) per layer: the MLA latent [B, T_local, kv_lora_rank] all-gathered forward, reduce-scattered
+      backward; a layer with its own indexer also all-gathers its per-token keys and gate logits [B, T_local,
+      index_head_dim] each (reduce-scattered backward when the indexer KL trains it).
+    Recomputation: full AC re-runs every forward collective; selective AC too, as its policy saves neither the
+    all-gathers nor the CP KDA op (activation_checkpoint._save_list names kda_fwd, not kda_cp_fwd)."""
+    args, a, cp, tp = inv.args, ctx.act, layout.cp, layout.tp
+    span = cp * tp
+    again = int(regime in ("full", "selective"))  # forward collectives recomputed in the backward
+    rows, local = ctx.batch, ctx.tokens
+    h, k = args.linear_num_heads // tp, args.linear_head_dim
+    out: list[Collective | None] = []
+    # all-gather over g ranks of a per-rank contribution x: the group's full tensor is g x x
+    state = 2 * h * k * (k + k) * 4
+    calls = n_kda * rows * (2 + again)
+    out.append(_coll("cp kda state all-gather", cp, calls, calls * cp * state, span, gpu))
+    calls = n_kda * (2 + again)
+    out.append(_coll("cp kda doc-id all-gather", cp, calls, calls * cp * local * 8, span, gpu))
+    halo = rows * 2 * (args.linear_conv_kernel_dim - 1) * h * k * a
+    calls = n_kda * 3 * (2 + again)
+    out.append(_coll("cp kda conv halo all-gather/reduce-scatter", cp, calls, calls * cp * halo, span, gpu))
+    calls = len(dsa) * (2 + again)
+    out.append(_coll("cp dsa latent all-gather/reduce-scatter", cp, calls, calls * cp * local * args.kv_lora_rank * a,
+                     span, gpu))
+    n_idx = sum(1 for u in dsa if not u.shared_indexer)
+    if args.dsa_attention == "sparse" or ctx.collect_stats:
+        calls = n_idx * 2 * (1 + again + int(ctx.collect_stats))
+        out.append(_coll("cp dsa indexer key/gate all-gather/reduce-scatter", cp, calls,
+                         calls * cp * local * args.index_head_dim * a, span, gpu))
+    return out

@@ -170,8 +170,11 @@ def assumptions(gpu: GpuSpec) -> list[str]:
         "DSA: absorbed sparse MLA over index_topk + kpool - 1 tokens; the indexer's tiled top-k and KL in FP32",
         "expert load balanced (each rank's experts receive tokens x top-k rows); FSDP collectives hidden behind one "
         "neighbouring unit's compute; EP all-to-all, TP, CP and the out-of-FSDP gradient all-reduces not hidden",
-        "context parallelism is not run by the trainer yet (its message says so); --what-if plans it as issue 10 "
-        "describes it",
+        "context parallelism as the trainer runs it: each rank computes seq_len / cp tokens of every row (zigzag); DSA "
+        "keeps the all-gathered latent, pools the whole rows and runs the indexer KL per zigzag chunk (checked against "
+        "2-rank gloo captures, eager and full AC); KDA chains its states through FLA's CP all-gathers (compute at "
+        "the single-rank FLA rate: the CP pre-pass is not timed); under selective AC the CP KDA op and every CP "
+        "all-gather are recomputed (the policy saves neither)",
     ]
 
 
@@ -220,7 +223,7 @@ def plan_layout(request: Request, cfg: JobConfig, inv: ModelInventory, layout: L
                                         and inv.args.num_dsa_layers > 0)
     ctx = ActContext(args=inv.args, batch=tr.local_batch_size, seq=tr.seq_len // layout.cp, keys=tr.seq_len,
                      act=act, tp=layout.tp, device="cuda", fp32_params=scope == "train", collect_stats=collect,
-                     sparse_kl=cfg.loss.indexer_sparse_loss)
+                     sparse_kl=cfg.loss.indexer_sparse_loss, cp=layout.cp)
     compiled_loss = cfg.compile.enable and "loss" in cfg.compile.components
     setup = StepSetup(scope=scope, regime=regime, param_bytes=act,
                       reduce_bytes=_DTYPE_BYTES[tr.mixed_precision_reduce], ce_chunk=cfg.loss.ce_chunk_size,

@@ -60,14 +60,14 @@ class Layout:
         return self.fsdp // self.ep
 
     def parallelism_overrides(self, *, explicit_shard: bool = True) -> list[str]:
-        """`--parallelism.key=value` arguments for train.py, keys at their default left out."""
+        """`--parallelism.key=value` arguments for train.py, every key (a key left out would take the config's
+        value, not the default); dp_shard as -1 unless `explicit_shard`."""
         out = []
-        for field, (key, default) in PARALLELISM_KEYS.items():
+        for field, (key, _) in PARALLELISM_KEYS.items():
             value = getattr(self, field)
             if field == "dp_shard" and not explicit_shard:
                 value = -1
-            if value != default:
-                out.append(f"--parallelism.{key}={value}")
+            out.append(f"--parallelism.{key}={value}")
         return out
 
     def describe(self) -> str:
@@ -169,9 +169,10 @@ def _divisors(n: int) -> list[int]:
 
 def describable(layout: Layout, *, args, seq_len: int, gpus_per_node: int) -> str | None:
     """Why the cost model cannot describe `layout`, or None: tp within a node and dividing every head count and MLP
-    width it splits; ep dividing the routed experts and dp_shard x cp, and a multiple of cp; seq_len divisible by
-    2 x cp x index_kpool (zigzag chunks of whole pools). These are the planner's preconditions (issue 10 states the
-    same rules for the trainer); whether the trainer accepts a layout is `trainer_verdict`'s answer."""
+    width it splits; ep dividing the routed experts and dp_shard x cp; seq_len divisible by 2 x cp x index_kpool
+    (zigzag chunks of whole pools). These are the planner's preconditions; whether the trainer accepts a layout is
+    `trainer_verdict`'s answer (it also wants ep a multiple of cp, which the cost model does not need: --what-if
+    plans such a layout, with the trainer's message)."""
     tp, cp, ep = layout.tp, layout.cp, layout.ep
     if tp > gpus_per_node:
         return f"tp={tp} spans more than one node of {gpus_per_node} GPUs"
@@ -182,8 +183,8 @@ def describable(layout: Layout, *, args, seq_len: int, gpus_per_node: int) -> st
         return f"seq_len={seq_len} is not divisible by 2 x cp x index_kpool = {2 * cp * args.index_kpool}"
     if args.n_routed_experts % ep:
         return f"ep={ep} does not divide n_routed_experts={args.n_routed_experts}"
-    if ep > 1 and ((layout.dp_shard * cp) % ep or ep % cp):
-        return f"ep={ep} must divide dp_shard x cp = {layout.dp_shard * cp} and be a multiple of cp={cp}"
+    if ep > 1 and (layout.dp_shard * cp) % ep:
+        return f"ep={ep} must divide dp_shard x cp = {layout.dp_shard * cp}"
     return None
 
 
