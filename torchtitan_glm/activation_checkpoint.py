@@ -58,7 +58,7 @@ def _save_list() -> set:
     for name in ("_grouped_mm", "_scaled_mm", "_scaled_grouped_mm"):
         if hasattr(torch.ops.aten, name):
             ops.add(getattr(torch.ops.aten, name).default)
-    for name in ("kda_fwd", "sparse_mla_fwd", "kpool_topk", "indexer_kl_sparse", "indexer_kl_dense"):
+    for name in ("kda_fwd", "kda_cp_fwd", "sparse_mla_fwd", "kpool_topk", "indexer_kl_sparse", "indexer_kl_dense"):
         if hasattr(torch.ops, "torchtitan_glm") and hasattr(torch.ops.torchtitan_glm, name):
             ops.add(getattr(torch.ops.torchtitan_glm, name).default)
     return ops

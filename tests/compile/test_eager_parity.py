@@ -18,7 +18,9 @@ from .graph_ops import op_histogram
 AC_OP = "torch.ops.higher_order.tag_activation_checkpoint"
 
 
-@pytest.mark.parametrize("ac_mode,sparse_kl", [("none", False), ("none", True), ("full", True), ("selective", False)])
+@pytest.mark.parametrize("ac_mode,sparse_kl", [
+    pytest.param("none", False, marks=pytest.mark.slow), ("none", True),
+    pytest.param("full", True, marks=pytest.mark.slow), ("selective", False)])  # slow ones: CI time
 def test_compiled_matches_eager(ac_mode, sparse_kl):
     counter = CompileCounterWithBackend("aot_eager")
 

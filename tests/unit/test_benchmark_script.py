@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("scope", ["train", "reference"])
+@pytest.mark.parametrize("scope", [pytest.param("train", marks=pytest.mark.slow), "reference"])  # slow: CI time
 def test_benchmark_script_writes_one_row_per_run(tmp_path, scope):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
@@ -36,6 +36,7 @@ def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(REPO), "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"})
 
 
+@pytest.mark.slow  # ~60 s on the CI machine
 def test_benchmark_sweeps_lengths_with_auto_ac_and_both_kl_forms(tmp_path):
     rows = []
     for kl in ("sparse", "dense"):

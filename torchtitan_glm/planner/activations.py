@@ -116,12 +116,10 @@ def _kda(t: _Terms, regime: str) -> None:
     residuals = 2 * h * FLA_CHUNK * a if c.device == "cuda" else 0
     if regime == "full":
         return
-    # selective AC saves the kda_fwd op's outputs but not the CP op's (kda_cp_fwd): under CP it is recomputed
-    cp_recomputed = regime == "selective" and c.cp > 1
-    if residuals and not cp_recomputed:
+    if residuals:  # selective AC saves the KDA op's outputs (kda_fwd, and kda_cp_fwd under CP)
         t.tok("kda_fla_residuals", residuals, heads=True)
     if regime == "selective":  # q, k, v, f_b, b, g_b projections and the KDA output (heads); f_a, g_a; o_proj
-        t.tok("kda", (3 * hk + hk + h + hk + (0 if cp_recomputed else hk)) * a, heads=True)
+        t.tok("kda", (3 * hk + hk + h + hk + hk) * a, heads=True)
         t.tok("kda", 2 * k * a + d * a)
         return
     if regime == "compiled":

@@ -133,8 +133,8 @@ def cp_collectives(inv: ModelInventory, layout: Layout, gpu: GpuSpec, ctx: ActCo
     - DSA (dsa.py) per layer: the MLA latent [B, T_local, kv_lora_rank] all-gathered forward, reduce-scattered
       backward; a layer with its own indexer also all-gathers its per-token keys and gate logits [B, T_local,
       index_head_dim] each (reduce-scattered backward when the indexer KL trains it).
-    Recomputation: full AC re-runs every forward collective; selective AC too, as its policy saves neither the
-    all-gathers nor the CP KDA op (activation_checkpoint._save_list names kda_fwd, not kda_cp_fwd)."""
+    Recomputation: full AC re-runs every forward collective; selective AC saves the CP KDA op (kda_cp_fwd, with its
+    state and document-id all-gathers) but re-runs the conv-halo and DSA all-gathers (not in its save list)."""
     args, a, cp, tp = inv.args, ctx.act, layout.cp, layout.tp
     span = cp * tp
     again = int(regime in ("full", "selective"))  # forward collectives recomputed in the backward
@@ -143,9 +143,10 @@ def cp_collectives(inv: ModelInventory, layout: Layout, gpu: GpuSpec, ctx: ActCo
     out: list[Collective | None] = []
     # all-gather over g ranks of a per-rank contribution x: the group's full tensor is g x x
     state = 2 * h * k * (k + k) * 4
-    calls = n_kda * rows * (2 + again)
+    again_op = int(regime == "full")  # the CP KDA op itself: saved by selective AC
+    calls = n_kda * rows * (2 + again_op)
     out.append(_coll("cp kda state all-gather", cp, calls, calls * cp * state, span, gpu))
-    calls = n_kda * (2 + again)
+    calls = n_kda * (2 + again_op)
     out.append(_coll("cp kda doc-id all-gather", cp, calls, calls * cp * local * 8, span, gpu))
     halo = rows * 2 * (args.linear_conv_kernel_dim - 1) * h * k * a
     calls = n_kda * 3 * (2 + again)

@@ -78,9 +78,8 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
         "dense_gemm": dense * tokens * (1 + recompute_fwd / 3) / dense_rate,
         "expert_gemm": expert * tokens * (1 + (1 if regime in ("full", "selective") else 0) / 3) / expert_rate,
         "lm_head_ce": gpu.fused_ce_s_per_token * tokens * heads * (vocab / 154880) * (d / 4096),
-        # (selective AC recomputes the CP KDA op too: its policy saves kda_fwd, not kda_cp_fwd)
-        "kda": n_kda * tokens * args.linear_num_heads / tp * (gpu.kda_fwd_bwd_s_per_token_head + (
-            1.0 if regime == "selective" and ctx.cp > 1 else recompute_fwd) * gpu.kda_fwd_s_per_token_head),
+        "kda": n_kda * tokens * args.linear_num_heads / tp * (gpu.kda_fwd_bwd_s_per_token_head
+                                                               + recompute_fwd * gpu.kda_fwd_s_per_token_head),
     }
     h, dqk, dv, kvl = args.num_attention_heads, args.qk_head_dim, args.v_head_dim, args.kv_lora_rank
     ih, idim, kp = args.index_n_heads, args.index_head_dim, args.index_kpool
