@@ -24,12 +24,13 @@ def test_context_parallel_model_equals_one_process(nproc, kl):
 
 
 def test_train_py_with_context_parallelism_equals_one_process(tmp_path):
-    """debug_model_cp.toml (cp = 2 on 2 ranks) through train.py: the same losses as one process on the same rows."""
+    """debug_model_cp.toml (cp = 2 on 2 ranks, selective AC: the CP KDA op's outputs saved, the DSA all-gathers
+    recomputed) through train.py: the same losses as one process without AC on the same rows."""
     from .test_train import _run_ok, _tb_losses
 
     common = ["--config", "train_configs/debug_model_cp.toml", "--training.steps", "4", "--lr_scheduler.warmup_steps",
               "1", "--metrics.log_freq", "1", "--checkpoint.enable", "false", "--training.seq_len", "64"]
-    _run_ok(common + [f"--job.dump_folder={tmp_path / 'cp'}"], nproc=2)
+    _run_ok(common + [f"--job.dump_folder={tmp_path / 'cp'}", "--activation_checkpoint.mode", "selective"], nproc=2)
     _run_ok(common + [f"--job.dump_folder={tmp_path / 'one'}", "--parallelism.context_parallel_degree", "1"], nproc=1)
     cp, one = _tb_losses(tmp_path / "cp" / "tb"), _tb_losses(tmp_path / "one" / "tb")
     assert sorted(cp) == sorted(one) == [1, 2, 3, 4]
