@@ -17,7 +17,7 @@ from torchtitan_glm.components import loss as losses
 from torchtitan_glm.components.checkpoint import CheckpointManager, list_checkpoints, step_dir
 from torchtitan_glm.components.data import build_dataloader
 from torchtitan_glm.components.errors import CheckpointError, NonFiniteError, is_expected, one_line, run_job
-from torchtitan_glm.components.logs import init_logging, startup_summary
+from torchtitan_glm.components.logs import device_memory, init_logging, startup_summary
 from torchtitan_glm.components.lr_scheduler import build_lr_scheduler
 from torchtitan_glm.components.metrics import (
     DeviceMemoryMonitor, build_metrics_logger, flops_per_token, format_step_line, get_peak_flops, throughput,
@@ -289,7 +289,7 @@ class Trainer:
         if self.rank == 0:
             logger.info(startup_summary(cfg=cfg, args=self.args, model=self.model, world=self.world,
                                         dp_size=self.dims.dp, device=self.device, resume=self._resume_state,
-                                        layout=self.dims.describe()))
+                                        layout=self.dims.describe(), device_bytes=device_memory(self.device)))
         self.step = restored or 0
         losses_seen: list[float] = []
         steps_total = cfg.training.steps

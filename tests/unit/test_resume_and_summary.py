@@ -81,6 +81,13 @@ def test_startup_summary_counts_this_ranks_state():
     assert rows["precision"] == "fp32 params, fp32 reduce"
     assert rows["tensorboard"] == "./outputs/debug/tb" and rows["resume"] == "fresh start"
     assert rows["model"].startswith("glm5 (flavor 'debug'): 4 layers (3 KDA + 1 DSA")
+    # the state alone exceeds a (pretend) device: a "fits" row says so; a device it fits on gets no row
+    state = sum(memory_per_rank(model, optimizer=cfg.optimizer).values())
+    for device_bytes, warned in ((state - 1, True), (state, False)):
+        text = startup_summary(cfg=cfg, args=model.args, model=model, world=2, dp_size=2, device=torch.device("cpu"),
+                               resume="fresh start", device_bytes=device_bytes)
+        fits = dict(re.findall(r"^  (\S+(?: \S+)?)\s{2,}(.+)$", text, flags=re.M)).get("fits")
+        assert (fits is not None and fits.startswith("NO: params + grads + optimizer")) == warned, fits
 
     low_bit = load_config(["--config", "train_configs/debug_model.toml", "--optimizer.name", "AdamW8bit",
                            "--loss.ce_chunk_size", "500", "--training.mixed_precision_param", "bfloat16"])

@@ -12,7 +12,7 @@ from torch import nn
 
 __all__ = [
     "init_logging", "format_block", "format_count", "format_bytes", "precision_line", "local_shard",
-    "memory_per_rank", "loss_buffers", "startup_summary",
+    "memory_per_rank", "device_memory", "loss_buffers", "startup_summary",
 ]
 
 _PACKAGE = "torchtitan_glm"
@@ -95,6 +95,11 @@ def memory_per_rank(model: nn.Module, *, optimizer: Any = None) -> dict[str, int
     return {"params": params, "grads": grads, "optimizer": states}
 
 
+def device_memory(device: torch.device) -> int | None:
+    """Total bytes of a CUDA device; None elsewhere (host memory is not checked)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
 def loss_buffers(*, tokens: int, vocab: int, dim: int, chunk: int, weight_bytes: int) -> dict[str, int]:
     """Bytes the fused LM-head cross-entropy (ops/linear_cross_entropy.py) holds for `tokens` rows (trunk + MTP):
     the FP32 logits of one chunk with their softmax gradient in the weight's dtype while it runs, and the weight
@@ -117,9 +122,10 @@ def _model_line(cfg: Any, args: Any) -> str:
 
 
 def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_size: int, device: torch.device,
-                    resume: str, layout: str = "") -> str:
+                    resume: str, layout: str = "", device_bytes: int | None = None) -> str:
     """The block rank 0 logs before the first step: model, parameters, layout, precision, memory per rank,
-    tokens per step, where outputs go, and whether the run resumes."""
+    tokens per step, where outputs go, and whether the run resumes. `device_bytes` (the accelerator's memory): a
+    "fits" row saying when parameters, gradients and optimizer states alone already exceed it."""
     from torchtitan_glm.components.metrics import count_params
 
     counts = count_params(args)
@@ -159,4 +165,9 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
         ("checkpoints", checkpoints),
         ("resume", resume),
     ]
+    state = 0 if opt.cpu_offload else sum(mem.values())
+    if device_bytes is not None and state > device_bytes:
+        rows.insert(5, ("fits", f"NO: params + grads + optimizer are {format_bytes(state)} per rank, the device has "
+                                f"{format_bytes(device_bytes)}; the first step will run out of memory "
+                                "(scripts/plan.py --search finds a layout that fits)"))
     return format_block("run summary", rows)
