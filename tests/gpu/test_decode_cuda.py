@@ -4,24 +4,13 @@ its training forward on the GPU."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from torchtitan_glm.ops.kda_decode import kda_prefill, kda_prefill_reference, kda_step, kda_step_reference
 from torchtitan_glm.ops.sparse_mla import sparse_mla, sparse_mla_reference
 
-
-def _fla_usable() -> bool:
-    if not torch.cuda.is_available() or importlib.util.find_spec("fla") is None:
-        return False
-    try:
-        import fla.ops.kda  # noqa: F401  (needs triton)
-    except Exception:
-        return False
-    return True
-
+from .test_kda_fla import _fla_usable
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _fla_usable(), reason="needs CUDA and fla-core with triton")]
 
