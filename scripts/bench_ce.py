@@ -10,23 +10,9 @@ import argparse
 import json
 
 import torch
+from cuda_timing import median_ms
 
 from torchtitan_glm.ops.linear_cross_entropy import linear_cross_entropy
-
-
-def cuda_ms(fn, *, reps: int) -> float:
-    """Median milliseconds of fn() over reps runs, CUDA events, after two warm-up runs."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -55,9 +41,9 @@ def main() -> None:
     g32, h32 = g.float(), hd.float()
     gemm_flop = 2 * a.tokens * a.dim * a.vocab
     r = dict(tokens=a.tokens, dim=a.dim, vocab=a.vocab,
-             fused_ce_fwd_bwd_ms=cuda_ms(ce_step, reps=a.reps),
-             dw_gemm_fp32_ms=cuda_ms(lambda: g32.t() @ h32, reps=a.reps),
-             dw_gemm_bf16_ms=cuda_ms(lambda: g.t() @ hd, reps=a.reps))
+             fused_ce_fwd_bwd_ms=median_ms(ce_step, steps=a.reps, warmup=2),
+             dw_gemm_fp32_ms=median_ms(lambda: g32.t() @ h32, steps=a.reps, warmup=2),
+             dw_gemm_bf16_ms=median_ms(lambda: g.t() @ hd, steps=a.reps, warmup=2))
     r["dw_gemm_fp32_tflops"] = round(gemm_flop / r["dw_gemm_fp32_ms"] / 1e9, 1)
     r["dw_gemm_bf16_tflops"] = round(gemm_flop / r["dw_gemm_bf16_ms"] / 1e9, 1)
     r["device"] = torch.cuda.get_device_name(dev)

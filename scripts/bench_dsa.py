@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
+from cuda_timing import median_ms
 
 H, QK, V, R = 64, 256, 256, 512
 
@@ -35,21 +35,6 @@ def causal_selection(seqlen: int, k: int, device: str) -> torch.Tensor:
         top = r.topk(k, dim=-1)
         out[0, s:s + t.numel()] = torch.where(top.values >= 0, top.indices, -1).int()
     return out
-
-
-def time_ms(fn, *, steps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def attention_variants(seqlen: int, k: int, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -130,7 +115,7 @@ def main() -> None:
         for name, fn in variants.items():
             torch.cuda.reset_peak_memory_stats()
             try:
-                ms = time_ms(fn, steps=a.steps, warmup=a.warmup)
+                ms = median_ms(fn, steps=a.steps, warmup=a.warmup)
             except torch.OutOfMemoryError:
                 ms = float("nan")
             row = dict(seq_len=seqlen, variant=name, family="block" if name.startswith("SparseMLA") else "attention",

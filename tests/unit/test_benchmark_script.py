@@ -58,12 +58,13 @@ def test_gpu_benchmarks_say_they_need_cuda():
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
 
 
-def test_bench_dsa_variants_run_on_cpu():
+def test_bench_dsa_variants_run_on_cpu(monkeypatch):
     """bench_dsa.py's timed closures, run once each on CPU at a small T (the script itself refuses CPU)."""
     import importlib.util
 
     import torch
 
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))  # as `python scripts/bench_dsa.py` has it (cuda_timing)
     spec = importlib.util.spec_from_file_location("bench_dsa", REPO / "scripts" / "bench_dsa.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
