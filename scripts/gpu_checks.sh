@@ -4,8 +4,11 @@
 #   OUT=./gpu_out bash scripts/gpu_checks.sh            (on the GPU machine, FLA/torchao importable)
 #   STAGES="tests" / "bench" / "fp8" / "train" select parts; *_TIMEOUT bound each part. fp8: the CUDA FP8 tests,
 #   scripts/precision_agreement.py on the proxy, and BF16 vs FP8-split benchmark runs (FP8_RUNS, FP8_SEQ, FP8_SCOPE).
-#   longctx: the Triton sparse-MLA tests, scripts/bench_dsa.py (DSA_SEQ) and the proxy's sequence-length sweep with
-#   the sparse indexer KL (SWEEP_SEQ, SWEEP_RUNS, SWEEP_KL; one compile per T, so split long sweeps across calls).
+#   longctx: the Triton sparse-MLA tests, scripts/bench_dsa.py (DSA_SEQ; alone: dsa) and the proxy's sequence-length
+#   sweep with the sparse indexer KL (SWEEP_SEQ, SWEEP_RUNS, SWEEP_KL; alone: sweep; one compile per T, so split
+#   long compiled sweeps across calls).
+#   speed (issue 12): scripts/benchmark.py --against transformers (AGAINST_SEQ, AGAINST_RUNS; needs transformers
+#   >= 5.23 importable). proxytrain: train.py on train_configs/glm5_3_flash_proxy.toml (PROXY_STEPS, PROXY_ARGS).
 #   serving: the CUDA decode tests (FLA recurrent KDA, prefill states, sparse MLA over the latent cache, debug model
 #   decode == forward), scripts/rollout_agreement.py on the proxy (ROLLOUT_PRECISIONS) and scripts/bench_decode.py.
 #   multigpu (issue 15; needs a multi-GPU kind): train.py on the proxy with FSDP2 x EP over N GPUs for each N in
@@ -55,12 +58,27 @@ case " $STAGES " in *" fp8 "*)
 esac
 case " $STAGES " in *" longctx "*)
   timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/gpu/test_sparse_mla.py -p no:cacheprovider 2>&1 \
-      | tee "$OUT/sparse_mla_tests.log"
+      | tee "$OUT/sparse_mla_tests.log" ;;
+esac
+case " $STAGES " in *" longctx "*|*" dsa "*)
   timeout "${DSA_BENCH_TIMEOUT:-300}" python3 scripts/bench_dsa.py --seq-len "${DSA_SEQ:-8192,32768}" --layer 2>&1 \
-      | tee "$OUT/bench_dsa.log"
+      | tee "$OUT/bench_dsa.log" ;;
+esac
+case " $STAGES " in *" longctx "*|*" sweep "*)
   timeout "${SWEEP_TIMEOUT:-540}" python3 scripts/benchmark.py --flavor glm5_3_flash_proxy --seq-len "${SWEEP_SEQ:-sweep}" \
-      --steps 3 --warmup 1 --docs 3 --runs "${SWEEP_RUNS:-compiled:auto}" --indexer-kl "${SWEEP_KL:-sparse}" \
+      --steps "${SWEEP_STEPS:-3}" --warmup 1 --docs 3 --runs "${SWEEP_RUNS:-compiled:auto}" --indexer-kl "${SWEEP_KL:-sparse}" \
       --out "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" ;;
+esac
+case " $STAGES " in *" speed "*)
+  timeout "${AGAINST_TIMEOUT:-300}" python3 scripts/benchmark.py --flavor glm5_3_flash_proxy --against transformers \
+      --seq-len "${AGAINST_SEQ:-4096}" --steps 4 --warmup 2 --runs "${AGAINST_RUNS:-compiled:none}" \
+      --out "$OUT/bench_against.json" 2>&1 | tee "$OUT/bench_against.log" ;;
+esac
+case " $STAGES " in *" proxytrain "*)
+  # the proxy training config as users run it (log steps every 5: the window's tokens/s has no per-step host read)
+  timeout "${PROXY_TIMEOUT:-540}" torchrun --nproc-per-node 1 train.py --config train_configs/glm5_3_flash_proxy.toml \
+      --training.steps "${PROXY_STEPS:-30}" --metrics.log_freq 5 --checkpoint.enable false \
+      --metrics.enable_tensorboard false --job.dump_folder "$OUT/proxy_train" ${PROXY_ARGS:-} 2>&1 | tee "$OUT/proxy_train.log" ;;
 esac
 case " $STAGES " in *" serving "*)
   timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/gpu/test_decode_cuda.py -p no:cacheprovider 2>&1 \

@@ -1,5 +1,5 @@
 """No host sync in a training step on the GPU (issue 12): a non-log step of the debug trainer (fused AdamW, its
-batch already on the device) runs under torch.cuda.set_sync_debug_mode("error"), which raises at any call that
+batch as the loader yields it, on the host) runs under torch.cuda.set_sync_debug_mode("error"), which raises at any call that
 blocks the host on the device (.item(), a device-to-host copy, a value-dependent shape, a pageable host-to-device
 copy). The CPU counterpart, which counts reads through dispatch modes, is tests/unit/test_host_syncs.py."""
 
@@ -20,8 +20,7 @@ def test_a_training_step_does_not_sync(tmp_path, world_of_one):  # noqa: F811
     trainer.model.train()
     trainer.step = 1
     trainer.train_step(next(trainer.dataloader))  # first step: lazy state, kernel autotuning
-    batch = {k: v.to(trainer.device) if isinstance(v, torch.Tensor) else v
-             for k, v in next(trainer.dataloader).items()}
+    batch = next(trainer.dataloader)  # on the host, as the loader yields it: the trainer copies without blocking
     torch.cuda.synchronize()
     trainer.step = 2
     torch.cuda.set_sync_debug_mode("error")

@@ -168,3 +168,21 @@ def test_compile_fullgraph_cuda(backend):
     for name, a, e in zip(NAMES, got, want):
         rms = ((a.float() - e.float()).square().mean().sqrt() / e.float().square().mean().sqrt()).item()
         assert rms < 1e-2, f"{name}: compiled vs eager rms ratio {rms:.2e}"
+
+
+def test_host_seq_idx_gives_the_same_varlen_layout_and_result():
+    """seq_idx on the host (what the trainer passes: BatchLayout.kda_seq_idx) builds the same cu_seqlens and chunk
+    table as FLA's own preparation, and the op's outputs and gradients equal those from a device seq_idx."""
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from torchtitan_glm.ops.kda import _FLA_CHUNK, _varlen
+
+    seq_idx = seq_idx_for(2, [[100, 13, 150, 37], [1, 64, 235]])
+    cu, cu_cpu, chunks = _varlen(seq_idx.cpu(), torch.device(DEV))
+    assert cu.device.type == "cuda" and cu_cpu.device.type == "cpu"
+    assert torch.equal(chunks, prepare_chunk_indices(cu, _FLA_CHUNK, cu_seqlens_cpu=cu_cpu))
+    inputs, do = make_inputs(2, 300, torch.bfloat16, gate="bounded", seed=5)
+    on_host = value_and_grads(lambda *x: kda(*x, seq_idx.cpu(), safe_gate=True), inputs, do)
+    on_device = value_and_grads(lambda *x: kda(*x, seq_idx, safe_gate=True), inputs, do)
+    for name, a, e in zip(NAMES, on_host, on_device):
+        assert torch.equal(a, e), name

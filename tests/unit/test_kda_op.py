@@ -136,3 +136,27 @@ def test_compile_fullgraph_no_graph_breaks():
     got = value_and_grads(compiled, inputs, do)
     assert not torch._dynamo.utils.counters["graph_break"]
     assert_rel_close(got, value_and_grads(block, inputs, do), 1e-6)
+
+
+@pytest.mark.parametrize("lengths", [[64], [1, 63, 65, 128, 3], [200, 1, 1, 130]])
+def test_varlen_chunk_indices_enumerate_every_chunk(lengths):
+    """The host-built chunk table FLA's varlen kernels take: one (sequence, chunk) row per started 64-token chunk."""
+    from torchtitan_glm.ops.kda import _chunk_indices
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    want = [(n, c) for n, length in enumerate(lengths) for c in range(-(-length // 64))]
+    assert _chunk_indices(cu, 64).tolist() == [list(x) for x in want]
+
+
+def test_batch_layout_keeps_the_host_document_ids_for_kda():
+    """Host document ids for a device batch: copied to the device for the layers, the host tensor kept for KDA's
+    varlen layout (no device-to-host copy in the CUDA kernel); the coordinates are those of the device copy."""
+    from torchtitan_glm.models.glm5.batch import batch_layout
+
+    ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
+    on_meta = batch_layout(ids, (1, 8), torch.device("meta"))
+    assert on_meta.host_doc_ids is ids and on_meta.kda_seq_idx is ids
+    assert on_meta.doc_ids.device.type == "meta" and on_meta.doc.pos.device.type == "meta"
+    on_cpu = batch_layout(ids, (1, 8), torch.device("cpu"))
+    assert on_cpu.host_doc_ids is None and on_cpu.kda_seq_idx is ids
+    assert on_cpu.doc.pos.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]

@@ -116,11 +116,11 @@ def _gather_rows(x: Tensor, idx: Tensor, dim: int) -> Tensor:
     """x [B, T, ...] (T at `dim`, B at 0) reordered along dim by idx [1 or B, T'] per row."""
     dim = dim % x.ndim
     if idx.shape[0] == 1:
-        return x.index_select(dim, idx[0].to(x.device))
+        return x.index_select(dim, idx[0].to(x.device, non_blocking=True))
     if dim != 1:
         raise ValueError("per-row (per-document) indices need the sequence at dim 1 and the batch at dim 0")
     shape = (idx.shape[0], idx.shape[1]) + (1,) * (x.ndim - 2)
-    return x.gather(1, idx.to(x.device).view(shape).expand(idx.shape[0], idx.shape[1], *x.shape[2:]))
+    return x.gather(1, idx.to(x.device, non_blocking=True).view(shape).expand(idx.shape[0], idx.shape[1], *x.shape[2:]))
 
 
 @dataclass(frozen=True)

@@ -158,10 +158,20 @@ def _fla() -> SimpleNamespace:
     )
 
 
+def _chunk_indices(cu_seqlens: Tensor, chunk: int) -> Tensor:
+    """[n_chunks, 2] (sequence, chunk within it) for every `chunk`-token chunk of the varlen sequences, on the host:
+    what FLA's prepare_chunk_indices computes, without its blocking host-to-device copy."""
+    counts = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk - 1) // chunk
+    seq = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    first = torch.cumsum(counts, 0) - counts
+    return torch.stack([seq, torch.arange(seq.numel()) - first[seq]], 1)
+
+
 def _varlen(seq_idx: Tensor | None, device: torch.device) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """(cu_seqlens, cu_seqlens_cpu, chunk_indices) for FLA's flattened varlen mode; Nones without seq_idx.
 
-    Host-syncs once (seq_idx is copied to the CPU) so FLA's chunk-index preparation does not.
+    Built on the host and copied without blocking. seq_idx on the host (BatchLayout.kda_seq_idx: the loader's
+    tensor) costs no host sync; on the device it is copied back first, which is one.
     """
     if seq_idx is None:
         return None, None, None
@@ -169,9 +179,9 @@ def _varlen(seq_idx: Tensor | None, device: torch.device) -> tuple[Tensor | None
     start = torch.ones_like(s, dtype=torch.bool)
     start[:, 1:] = s[:, 1:] != s[:, :-1]
     cu_cpu = torch.cat([torch.nonzero(start.flatten()).flatten(), torch.tensor([s.numel()])])
-    cu = cu_cpu.to(device)
-    chunk_indices = _fla().prepare_chunk_indices(cu, _FLA_CHUNK, cu_seqlens_cpu=cu_cpu)
-    return cu, cu_cpu, chunk_indices
+    chunk_indices = _chunk_indices(cu_cpu, _FLA_CHUNK)
+    # pageable host-to-device copies: CUDA stages the source before returning, so the host tensors may go
+    return cu_cpu.to(device, non_blocking=True), cu_cpu, chunk_indices.to(device, non_blocking=True)
 
 
 def _flat(x: Tensor, varlen: bool) -> Tensor:

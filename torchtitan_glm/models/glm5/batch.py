@@ -45,6 +45,13 @@ class BatchLayout(NamedTuple):
     cp: CPContext | None = None
     indexer_kl: str | None = None  # None | "sparse" | "dense": what each DSA layer's indexer KL is computed over
     seq_aux: bool = False  # MoE layers return the sequence-level balance loss
+    host_doc_ids: Tensor | None = None  # doc_ids on the host when the batch came from there (KDA's varlen metadata)
+
+    @property
+    def kda_seq_idx(self) -> Tensor | None:
+        """The document ids KDA's op builds its varlen layout from: the host copy when there is one, so the CUDA
+        kernel needs no device-to-host copy (ops/kda.py::_varlen)."""
+        return self.host_doc_ids if self.host_doc_ids is not None else self.doc_ids
 
     @property
     def rows(self) -> int:
@@ -58,7 +65,8 @@ class TrainBatch(NamedTuple):
     labels: Tensor  # -100 = ignore
     next_tokens: Tensor  # token t + 1 (the MTP layer's embedding input)
     mtp_labels: Tensor  # label of token t + 1 (the MTP target), -100 where labels[t] or labels[t + 1] is ignored
-    doc_ids: Tensor | None  # the WHOLE rows' document ids [B, T] (context parallelism needs the whole row)
+    doc_ids: Tensor | None  # the WHOLE rows' document ids [B, T] (context parallelism needs the whole row); on the
+    # host when the loader's tensor is passed as is (batch_layout keeps that copy for the KDA op, no host sync)
     cp: tuple[dist.ProcessGroup, CPLayout] | None = None
 
 
@@ -88,16 +96,22 @@ def batch_layout(doc_ids: Tensor | None, shape: tuple[int, int], device: torch.d
                  cp: tuple[dist.ProcessGroup, CPLayout] | None = None, indexer_kl: str | None = None,
                  seq_aux: bool = False) -> BatchLayout:
     """The BatchLayout of rows of `shape` = (B, T) (whole rows) with per-token `doc_ids` (None: one document per
-    row), for this rank's part under context parallelism."""
+    row), for this rank's part under context parallelism. `doc_ids` on the host while `device` is not: they are
+    copied without blocking and the host copy is kept (BatchLayout.host_doc_ids)."""
     if indexer_kl not in (None, "sparse", "dense"):
         raise ValueError(f"indexer_kl must be None, 'sparse' or 'dense', got {indexer_kl!r}")
     bsz, seqlen = shape
+    host = None
+    if doc_ids is not None and doc_ids.device.type == "cpu" and torch.device(device).type != "cpu":
+        host, doc_ids = doc_ids, doc_ids.to(device, non_blocking=True)
     doc = DocLayout(*doc_positions(doc_ids, bsz, seqlen, device))
     if cp is None:
-        return BatchLayout(doc, doc_ids, None, indexer_kl, seq_aux)
+        return BatchLayout(doc, doc_ids, None, indexer_kl, seq_aux, host)
     group, layout = cp
     ids = torch.zeros(bsz, seqlen, dtype=torch.long, device=device) if doc_ids is None else doc_ids
-    local_doc = DocLayout(*(layout.shard(t, doc_ids=ids) for t in doc))
-    positions = layout.local_positions(seqlen, doc_ids=ids).to(device)
+    layout_ids = ids if host is None else host  # the zigzag permutation is computed on the host either way
+    local_doc = DocLayout(*(layout.shard(t, doc_ids=layout_ids) for t in doc))
+    positions = layout.local_positions(seqlen, doc_ids=layout_ids).to(device, non_blocking=True)
     context = CPContext(group, layout, doc, positions)
-    return BatchLayout(local_doc, layout.shard(ids, doc_ids=ids), context, indexer_kl, seq_aux)
+    local_host = None if host is None else layout.shard(host, doc_ids=host)
+    return BatchLayout(local_doc, layout.shard(ids, doc_ids=layout_ids), context, indexer_kl, seq_aux, local_host)

@@ -156,7 +156,7 @@ class KimiDeltaAttention(nn.Module):
         g = self.decay(self.f_b_proj(self.f_a_proj(x)))
         beta = torch.sigmoid(self.b_proj(x))
         if cp is None:
-            o = kda_op(q, k, v, g, beta, batch.doc_ids, safe_gate=self.safe_gate)
+            o = kda_op(q, k, v, g, beta, batch.kda_seq_idx, safe_gate=self.safe_gate)
         else:
             o = kda_cp(q, k, v, g, beta, batch.doc_ids, group=cp.group, layout="zigzag", safe_gate=self.safe_gate)
         gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, heads)
