@@ -7,7 +7,7 @@
 #   longctx: the Triton sparse-MLA tests, scripts/bench_dsa.py (DSA_SEQ; alone: dsa) and the proxy's sequence-length
 #   sweep with the sparse indexer KL (SWEEP_SEQ, SWEEP_RUNS, SWEEP_KL; alone: sweep; one compile per T, so split
 #   long compiled sweeps across calls).
-#   speed (issue 12): scripts/benchmark.py --against transformers (AGAINST_SEQ, AGAINST_RUNS; needs transformers
+#   speed (issue 12): scripts/bench_kda.py (KDA_SEQ; alone: kda), scripts/benchmark.py --against transformers (AGAINST_SEQ, AGAINST_RUNS; needs transformers
 #   >= 5.23 importable). proxytrain: train.py on train_configs/glm5_3_flash_proxy.toml (PROXY_STEPS, PROXY_ARGS).
 #   serving: the CUDA decode tests (FLA recurrent KDA, prefill states, sparse MLA over the latent cache, debug model
 #   decode == forward), scripts/rollout_agreement.py on the proxy (ROLLOUT_PRECISIONS) and scripts/bench_decode.py.
@@ -68,6 +68,10 @@ case " $STAGES " in *" longctx "*|*" sweep "*)
   timeout "${SWEEP_TIMEOUT:-540}" python3 scripts/benchmark.py --flavor glm5_3_flash_proxy --seq-len "${SWEEP_SEQ:-sweep}" \
       --steps "${SWEEP_STEPS:-3}" --warmup 1 --docs 3 --runs "${SWEEP_RUNS:-compiled:auto}" --indexer-kl "${SWEEP_KL:-sparse}" \
       --out "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" ;;
+esac
+case " $STAGES " in *" speed "*|*" kda "*)
+  timeout "${KDA_BENCH_TIMEOUT:-200}" python3 scripts/bench_kda.py --seq-len "${KDA_SEQ:-8192}" \
+      --json "$OUT/bench_kda.json" 2>&1 | tee "$OUT/bench_kda.log" ;;
 esac
 case " $STAGES " in *" speed "*)
   timeout "${AGAINST_TIMEOUT:-300}" python3 scripts/benchmark.py --flavor glm5_3_flash_proxy --against transformers \

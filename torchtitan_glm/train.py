@@ -209,12 +209,12 @@ class Trainer:
         """One optimizer step (skipped when the loss or gradient norm is not finite), queued without a host sync;
         its metrics come later from `self.stats.resolve` (with "nonfinite" and "stop")."""
         cfg = self.cfg.loss
-        # Host-to-device without blocking; the document ids stay on the host (the model copies them and keeps the
-        # host tensor, from which the KDA kernels' varlen layout is built without a device-to-host copy)
-        tokens = batch["input_ids"].to(self.device, non_blocking=True)
-        labels = batch["labels"].to(self.device, non_blocking=True)
-        doc_ids = batch["doc_ids"]
-        batch_ = train_batch(tokens, labels, doc_ids, cp=self.cp)
+        # Host-to-device without blocking; the document ids also stay on the host, from where the KDA kernels' varlen
+        # layout is built without a device-to-host copy
+        tokens, labels, doc_ids = (batch[k].to(self.device, non_blocking=True)
+                                   for k in ("input_ids", "labels", "doc_ids"))
+        host_ids = batch["doc_ids"] if batch["doc_ids"].device.type == "cpu" else None
+        batch_ = train_batch(tokens, labels, doc_ids, cp=self.cp, host_doc_ids=host_ids)
         count, mtp_count = losses.global_token_counts(batch_.labels, batch_.mtp_labels, group=self.dp_group)
         scale = losses.token_scale(count, dp_size=self.dp_size)
         use_mtp = self.model.mtp is not None

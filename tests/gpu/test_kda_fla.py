@@ -180,9 +180,10 @@ def test_host_seq_idx_gives_the_same_varlen_layout_and_result():
     seq_idx = seq_idx_for(2, [[100, 13, 150, 37], [1, 64, 235]])
     cu, cu_cpu, chunks = _varlen(seq_idx.cpu(), torch.device(DEV))
     assert cu.device.type == "cuda" and cu_cpu.device.type == "cpu"
-    assert torch.equal(chunks, prepare_chunk_indices(cu, _FLA_CHUNK, cu_seqlens_cpu=cu_cpu))
+    assert chunks.tolist() == prepare_chunk_indices(cu, _FLA_CHUNK, cu_seqlens_cpu=cu_cpu).tolist()
     inputs, do = make_inputs(2, 300, torch.bfloat16, gate="bounded", seed=5)
     on_host = value_and_grads(lambda *x: kda(*x, seq_idx.cpu(), safe_gate=True), inputs, do)
     on_device = value_and_grads(lambda *x: kda(*x, seq_idx, safe_gate=True), inputs, do)
-    for name, a, e in zip(NAMES, on_host, on_device):
-        assert torch.equal(a, e), name
+    for name, a, e in zip(NAMES, on_host, on_device):  # same kernels and layout; not bitwise: FLA's backward
+        rms = ((a.float() - e.float()).square().mean().sqrt() / e.float().square().mean().sqrt()).item()
+        assert rms < 1e-3, f"{name}: host vs device seq_idx rms ratio {rms:.2e}"  # may reduce in any order

@@ -18,15 +18,16 @@ SCALE = 256**-0.5  # qk_head_dim^-1/2
 
 
 def causal_selection(seqlen: int, k: int, *, seed: int) -> torch.Tensor:
-    """[1, T, K] int32: per query k distinct random tokens <= t (all of them when t < k), -1 padding."""
+    """[1, T, K] int32: per query k distinct random tokens <= t (all of them when t < k), -1 padding (T < k too)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    out = torch.empty(1, seqlen, k, dtype=torch.int32, device="cuda")
+    out = torch.full((1, seqlen, k), -1, dtype=torch.int32, device="cuda")
+    kk = min(k, seqlen)
     for s in range(0, seqlen, 1024):  # [1024, T] random keys at a time
         t = torch.arange(s, min(s + 1024, seqlen), device="cuda")
         r = torch.rand(t.numel(), seqlen, generator=gen, device="cuda")
         r = r.masked_fill(torch.arange(seqlen, device="cuda")[None, :] > t[:, None], -1.0)
-        top = r.topk(k, dim=-1)
-        out[0, s:s + t.numel()] = torch.where(top.values >= 0, top.indices, -1).int()
+        top = r.topk(kk, dim=-1)
+        out[0, s:s + t.numel(), :kk] = torch.where(top.values >= 0, top.indices, -1).int()
     return out
 
 

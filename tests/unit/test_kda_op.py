@@ -148,15 +148,25 @@ def test_varlen_chunk_indices_enumerate_every_chunk(lengths):
     assert _chunk_indices(cu, 64).tolist() == [list(x) for x in want]
 
 
-def test_batch_layout_keeps_the_host_document_ids_for_kda():
-    """Host document ids for a device batch: copied to the device for the layers, the host tensor kept for KDA's
-    varlen layout (no device-to-host copy in the CUDA kernel); the coordinates are those of the device copy."""
-    from torchtitan_glm.models.glm5.batch import batch_layout
+def test_host_document_ids_reach_kda_past_fsdp_input_moves():
+    """The trainer's host document ids reach the KDA op as a host tensor: FSDP2's root pre-forward moves every tensor
+    in the inputs' tuples to the device (a blocking copy; `meta` stands in for CUDA here), not the HostDocIds
+    wrapper; batch_layout keeps them for KDA while the layers' coordinates come from the device copy."""
+    from torch.distributed.utils import _to_kwargs
+
+    from torchtitan_glm.models.glm5.batch import batch_layout, train_batch
 
     ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
-    on_meta = batch_layout(ids, (1, 8), torch.device("meta"))
-    assert on_meta.host_doc_ids is ids and on_meta.kda_seq_idx is ids
-    assert on_meta.doc_ids.device.type == "meta" and on_meta.doc.pos.device.type == "meta"
+    tokens = torch.arange(8).unsqueeze(0)
+    batch = train_batch(tokens, tokens, ids, host_doc_ids=ids)
+    (moved,), _ = _to_kwargs((batch,), {}, torch.device("meta"), False)
+    moved = moved[0]
+    assert moved.tokens.device.type == "meta" and moved.doc_ids.device.type == "meta"
+    assert moved.host_doc_ids.ids is ids
+    layout = batch_layout(moved.doc_ids, (1, 8), torch.device("meta"), host_doc_ids=moved.host_doc_ids.ids)
+    assert layout.kda_seq_idx is ids and layout.doc.pos.device.type == "meta"
     on_cpu = batch_layout(ids, (1, 8), torch.device("cpu"))
     assert on_cpu.host_doc_ids is None and on_cpu.kda_seq_idx is ids
     assert on_cpu.doc.pos.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+    with pytest.raises(ValueError, match="host_doc_ids"):
+        batch_layout(None, (1, 8), torch.device("cpu"), host_doc_ids=ids)

@@ -7,6 +7,7 @@ coordinates, the context-parallel context, and what to collect (the indexer KL f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -58,6 +59,15 @@ class BatchLayout(NamedTuple):
         return self.doc.pos.shape[0]
 
 
+@dataclass(frozen=True)
+class HostDocIds:
+    """The whole rows' document ids [B, T] on the host, for KDA's varlen layout (ops/kda.py::_varlen). A plain object
+    on purpose: FSDP2's root pre-forward copies every tensor it finds in the inputs' tuples, lists and dicts to the
+    device, with a blocking copy, and would also lose the host copy."""
+
+    ids: Tensor
+
+
 class TrainBatch(NamedTuple):
     """A training batch as this rank computes it, every tensor [B, T_local]."""
 
@@ -65,9 +75,9 @@ class TrainBatch(NamedTuple):
     labels: Tensor  # -100 = ignore
     next_tokens: Tensor  # token t + 1 (the MTP layer's embedding input)
     mtp_labels: Tensor  # label of token t + 1 (the MTP target), -100 where labels[t] or labels[t + 1] is ignored
-    doc_ids: Tensor | None  # the WHOLE rows' document ids [B, T] (context parallelism needs the whole row); on the
-    # host when the loader's tensor is passed as is (batch_layout keeps that copy for the KDA op, no host sync)
+    doc_ids: Tensor | None  # the WHOLE rows' document ids [B, T] (context parallelism needs the whole row)
     cp: tuple[dist.ProcessGroup, CPLayout] | None = None
+    host_doc_ids: HostDocIds | None = None  # the same ids on the host, when the batch came from there
 
 
 def mtp_targets(labels: Tensor) -> Tensor:
@@ -78,32 +88,38 @@ def mtp_targets(labels: Tensor) -> Tensor:
 
 
 def train_batch(tokens: Tensor, labels: Tensor, doc_ids: Tensor | None = None, *,
-                cp: tuple[dist.ProcessGroup, CPLayout] | None = None) -> TrainBatch:
+                cp: tuple[dist.ProcessGroup, CPLayout] | None = None,
+                host_doc_ids: Tensor | None = None) -> TrainBatch:
     """Whole rows [B, T] -> this rank's TrainBatch: the MTP inputs are formed on the whole rows (token t + 1 may live
-    on another context-parallel rank), then everything is sharded by the layout."""
+    on another context-parallel rank), then everything is sharded by the layout. host_doc_ids: `doc_ids` as the
+    loader produced them, on the host (the KDA kernels and the zigzag layout then read no device value)."""
     next_tokens = torch.roll(tokens, shifts=-1, dims=1)  # the last one's MTP target is ignored anyway
     mtp_labels = mtp_targets(labels)
+    if host_doc_ids is not None and host_doc_ids.device.type != "cpu":
+        raise ValueError(f"host_doc_ids must be on the host, got a {host_doc_ids.device} tensor")
+    host = None if host_doc_ids is None else HostDocIds(host_doc_ids)
     if cp is None:
-        return TrainBatch(tokens, labels, next_tokens, mtp_labels, doc_ids)
+        return TrainBatch(tokens, labels, next_tokens, mtp_labels, doc_ids, None, host)
     layout = cp[1]
     if doc_ids is None:
         doc_ids = torch.zeros_like(tokens)
-    local = [layout.shard(t, doc_ids=doc_ids) for t in (tokens, labels, next_tokens, mtp_labels)]
-    return TrainBatch(*local, doc_ids, cp)
+    layout_ids = doc_ids if host is None else host.ids
+    local = [layout.shard(t, doc_ids=layout_ids) for t in (tokens, labels, next_tokens, mtp_labels)]
+    return TrainBatch(*local, doc_ids, cp, host)
 
 
 def batch_layout(doc_ids: Tensor | None, shape: tuple[int, int], device: torch.device, *,
                  cp: tuple[dist.ProcessGroup, CPLayout] | None = None, indexer_kl: str | None = None,
-                 seq_aux: bool = False) -> BatchLayout:
+                 seq_aux: bool = False, host_doc_ids: Tensor | None = None) -> BatchLayout:
     """The BatchLayout of rows of `shape` = (B, T) (whole rows) with per-token `doc_ids` (None: one document per
-    row), for this rank's part under context parallelism. `doc_ids` on the host while `device` is not: they are
-    copied without blocking and the host copy is kept (BatchLayout.host_doc_ids)."""
+    row), for this rank's part under context parallelism. host_doc_ids: the same ids on the host (kept for the KDA
+    op, and used for the zigzag layout)."""
     if indexer_kl not in (None, "sparse", "dense"):
         raise ValueError(f"indexer_kl must be None, 'sparse' or 'dense', got {indexer_kl!r}")
+    if host_doc_ids is not None and (doc_ids is None or host_doc_ids.device.type != "cpu"):
+        raise ValueError("host_doc_ids must be the host copy of doc_ids")
     bsz, seqlen = shape
-    host = None
-    if doc_ids is not None and doc_ids.device.type == "cpu" and torch.device(device).type != "cpu":
-        host, doc_ids = doc_ids, doc_ids.to(device, non_blocking=True)
+    host = host_doc_ids
     doc = DocLayout(*doc_positions(doc_ids, bsz, seqlen, device))
     if cp is None:
         return BatchLayout(doc, doc_ids, None, indexer_kl, seq_aux, host)

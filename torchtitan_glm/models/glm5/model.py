@@ -83,7 +83,8 @@ class Glm5Model(nn.Module):
             batch = train_batch(tokens, labels, doc_ids)
         with_mtp = self.mtp is not None
         out = self.hidden_states(batch.tokens, doc_ids=batch.doc_ids, with_mtp=with_mtp, indexer_kl=indexer_kl,
-                                 seq_aux=seq_aux, next_tokens=batch.next_tokens, cp=batch.cp)
+                                 seq_aux=seq_aux, next_tokens=batch.next_tokens, cp=batch.cp,
+                                 host_doc_ids=None if batch.host_doc_ids is None else batch.host_doc_ids.ids)
         labels = batch.labels
         hidden, targets = out.hidden.flatten(0, 1), labels.flatten()
         scales = torch.full_like(targets, 1, dtype=torch.float32) * token_scale
@@ -115,12 +116,14 @@ class Glm5Model(nn.Module):
         seq_aux: bool = False,
         next_tokens: torch.Tensor | None = None,
         cp: tuple | None = None,
+        host_doc_ids: torch.Tensor | None = None,
     ) -> Glm5Output:
         """Run the trunk (and MTP). Packed documents come as cu_seqlens for a [1, total] batch, or as per-token
         document ids [B, T]; KDA state, short convs, indexer pools and attention all restart at boundaries.
 
         Under context parallelism (`cp` = (group, CPLayout)) `tokens` and `next_tokens` are this rank's part and
-        `doc_ids` the whole rows' document ids. next_tokens: the MTP's input tokens (default: tokens rolled by one)."""
+        `doc_ids` the whole rows' document ids. next_tokens: the MTP's input tokens (default: tokens rolled by one).
+        host_doc_ids: `doc_ids` on the host, when the caller has them there (no device-to-host copy in KDA)."""
         bsz, local_len = tokens.shape
         if cu_seqlens is not None:
             if doc_ids is not None:
@@ -129,7 +132,8 @@ class Glm5Model(nn.Module):
                 raise ValueError(f"cu_seqlens needs a packed [1, total] batch, got tokens of shape {tuple(tokens.shape)}")
             doc_ids = cu_seqlens_to_doc_ids(cu_seqlens, local_len)
         seqlen = local_len * (1 if cp is None else cp[1].size)
-        batch = batch_layout(doc_ids, (bsz, seqlen), tokens.device, cp=cp, indexer_kl=indexer_kl, seq_aux=seq_aux)
+        batch = batch_layout(doc_ids, (bsz, seqlen), tokens.device, cp=cp, indexer_kl=indexer_kl, seq_aux=seq_aux,
+                             host_doc_ids=host_doc_ids)
         embeds = self.embed_tokens(tokens)
         streams = embeds.unsqueeze(-2).expand(bsz, local_len, self.args.hc_mult, -1).contiguous()
         moe_stats: list[MoEStats] = []
