@@ -8,8 +8,8 @@ layer type), FLOPs per token, communication per collective, step time, tokens/s 
 The layout is the config's [parallelism] with `--parallelism.<key> value` overrides (TorchTitan's keys:
 data_parallel_replicate_degree, data_parallel_shard_degree, tensor_parallel_degree, context_parallel_degree,
 expert_parallel_degree). A layout the trainer rejects exits 2 with the trainer's own message, unless --what-if (then
-it is planned all the same and marked, e.g. ep not a multiple of cp); --expert-fsdp plans EP with the experts
-FSDP2-sharded (TorchTitan's design) instead of parallelize.py's whole experts out of FSDP2, also marked. --search
+it is planned all the same and marked, e.g. ep not a multiple of cp); `--parallelism.expert_fsdp false` plans EP with
+every rank's experts kept whole (the trainer's key, default true: rows sharded over the ranks holding them). --search
 plans every layout of N GPUs the cost model describes, context parallelism included (with each --ac mode and
 --local-batch) and ranks those that fit within 90% of the card by tokens/s. --scope bench_train / bench_reference
 plans scripts/benchmark.py's training / reference scope on one device. Every assumption is printed with the plan
@@ -43,9 +43,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ac", default=None, help="search: AC modes to try, comma-separated (default: the config's)")
     p.add_argument("--local-batch", default=None, help="search: local batch sizes to try (default: the config's)")
     p.add_argument("--what-if", action="store_true", help="plan layouts the trainer does not accept yet")
-    p.add_argument("--expert-fsdp", action="store_true",
-                   help="what-if: under EP shard the experts with FSDP2 over the expert-data ranks (TorchTitan's "
-                        "design) instead of keeping them whole out of FSDP2 as parallelize.py does")
     p.add_argument("--scope", default="train", choices=SCOPES)
     return p
 
@@ -53,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
 def run(argv: list[str]) -> str:
     """The script's output for `argv` (planner options and train.py's --config/--section.key arguments)."""
     opts, rest = _parser().parse_known_args(argv)
-    request = Request(tuple(rest), opts.gpus, get_gpu(opts.gpu), opts.scope, opts.what_if, opts.expert_fsdp)
+    request = Request(tuple(rest), opts.gpus, get_gpu(opts.gpu), opts.scope, opts.what_if)
     if opts.search:
         if opts.scope != "train":
             raise PlanError("--search plans train.py layouts (--scope train)")

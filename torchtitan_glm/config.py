@@ -348,7 +348,10 @@ class ParallelismConfig(_Section):
     data_parallel_replicate_degree: HSDP replicas; data_parallel_shard_degree: FSDP2 shard degree, -1 = the rest;
     tensor_parallel_degree: heads / MLP columns split (DTensor); context_parallel_degree: sequence split (zigzag);
     expert_parallel_degree: routed experts split; borrows its ranks from data_parallel_shard x context_parallel, so
-    it must divide their product and be a multiple of context_parallel_degree.
+    it must divide their product and be a multiple of context_parallel_degree. expert_fsdp: under expert parallelism
+    the ranks that hold the same experts (replicate x shard x cp / ep of them) each keep only their share of those
+    experts' rows, parameters, gradients and optimizer states, as FSDP2 does for the rest of the model (the experts'
+    op gathers them per layer); false keeps every rank's experts whole and all-reduces their gradients.
     """
 
     SECTION: ClassVar[str] = "parallelism"
@@ -357,6 +360,7 @@ class ParallelismConfig(_Section):
     tensor_parallel_degree: int = 1
     context_parallel_degree: int = 1
     expert_parallel_degree: int = 1
+    expert_fsdp: bool = True
 
     def validate(self) -> None:
         self._require(self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,

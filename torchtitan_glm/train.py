@@ -102,7 +102,7 @@ def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
     ConfigErrors naming the keys, raised before any process group starts (main() runs it first: exit 2)."""
     dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size_from_env())
     args = build_model_args(cfg)
-    validate_model_layout(dims, args, seq_len=cfg.training.seq_len)
+    validate_model_layout(dims, args, seq_len=cfg.training.seq_len, expert_fsdp=cfg.parallelism.expert_fsdp)
     return dims, args
 
 
@@ -158,7 +158,8 @@ class Trainer:
             reduce_dtype=cfg.training.mixed_precision_reduce, ac_mode=cfg.activation_checkpoint.mode,
             recompute_modules=cfg.activation_checkpoint.recompute_modules,
             compile_enable=cfg.compile.enable, compile_backend=cfg.compile.backend, compile_mode=cfg.compile.mode,
-            compile_components=cfg.compile.components, cpu_offload=cfg.optimizer.cpu_offload)
+            compile_components=cfg.compile.components, cpu_offload=cfg.optimizer.cpu_offload,
+            expert_fsdp=cfg.parallelism.expert_fsdp)
         if not small:
             model.to_empty(device=self.device)
             model.init_weights()

@@ -4,9 +4,10 @@ same steps on one process (computed on every rank, no communication), on one exp
 Per step it compares the loss (CE + MTP, token-weighted over the global batch, plus the indexer KL), the gradient
 norm, every parameter's full gradient, and after the update every parameter; at the end the router biases (updated from
 the global expert loads). fp32 throughout: tolerances are fp32 round-off.
-usage: _layout_worker.py DP_SHARD TP EP [DP_REPLICATE] [compile] [fp8]
+usage: _layout_worker.py DP_SHARD TP EP [DP_REPLICATE] [compile] [fp8] [expert_fsdp]
   compile: blocks compiled fullgraph (aot_eager); fp8: both models converted by float8.py (tensorwise, the MLPs and
-  shared experts in FP8, the routed experts in emulated FP8 rowwise), compared with FP8-sized tolerances.
+  shared experts in FP8, the routed experts in emulated FP8 rowwise), compared with FP8-sized tolerances;
+  expert_fsdp: parallelism.expert_fsdp (the experts' rows also sharded over the ranks holding the same experts).
 """
 
 import copy
@@ -64,7 +65,7 @@ def check(name, got, want, tol=2e-5, floor=1e-8):
 def main() -> None:
     shard, tp, ep = (int(a) for a in sys.argv[1:4])
     rep = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4].isdigit() else 1
-    compile_enable, fp8 = "compile" in sys.argv, "fp8" in sys.argv
+    compile_enable, fp8, expert_fsdp = "compile" in sys.argv, "fp8" in sys.argv, "expert_fsdp" in sys.argv
     SCALE[0] = 1e4 if fp8 else 1.0  # FP8 rounding of nearly equal inputs may differ by one E4M3 step (6%) in places
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -72,7 +73,7 @@ def main() -> None:
                             tensor_parallel_degree=tp, expert_parallel_degree=ep)
     dims = ParallelDims.from_config(cfg, world_size=dist.get_world_size())
     args = get_flavor("debug")
-    validate_model_layout(dims, args, seq_len=T)
+    validate_model_layout(dims, args, seq_len=T, expert_fsdp=expert_fsdp)
     meshes = dims.build_mesh("cpu")
     dp_rank, dp_cp = meshes["dp"].get_local_rank(), meshes["dp_cp"].get_group()
     alone = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]  # the reference's "world"
@@ -87,7 +88,12 @@ def main() -> None:
         assert summary.converted_linears > 0 and summary.grouped_expert_weights > 0, summary.line()
     model = copy.deepcopy(ref)
     replicated = parallelize_glm5(model, meshes=meshes, param_dtype="float32", reduce_dtype="float32",
-                                  ac_mode="none", compile_enable=compile_enable, compile_backend="aot_eager")
+                                  ac_mode="none", compile_enable=compile_enable, compile_backend="aot_eager",
+                                  expert_fsdp=expert_fsdp)
+    if expert_fsdp and dims.edp > 1:  # the experts really are sharded over both dims
+        w = next(p for n, p in model.named_parameters() if n.endswith("experts.gate_proj"))
+        assert isinstance(w, DTensor) and w.device_mesh.ndim == 2, w
+        assert w.to_local().shape[1] * dims.edp == w.shape[1], (w.to_local().shape, w.shape)
     replicated.broadcast()
     # SGD (over the trainer's parameter groups): its update is linear in the gradient, so fp32 tolerances hold
     # after the step; Adam's first step g / |g| would amplify round-off in near-zero gradients

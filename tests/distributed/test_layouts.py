@@ -28,10 +28,13 @@ LAYOUTS = [  # nproc, worker args: dp_shard tp ep [dp_replicate] [compile]
     pytest.param(2, ("2", "1", "2"), id="ep"),
     pytest.param(4, ("2", "2", "1"), id="fsdp_tp"),
     pytest.param(4, ("4", "1", "2"), id="fsdp_ep"),
+    pytest.param(4, ("4", "1", "2", "expert_fsdp"), id="fsdp_ep_expert_fsdp"),
     pytest.param(4, ("2", "2", "2"), id="tp_ep", marks=SLOW),
     pytest.param(4, ("2", "1", "2", "2"), id="hsdp_ep", marks=SLOW),
+    pytest.param(4, ("2", "1", "2", "2", "expert_fsdp"), id="hsdp_ep_expert_fsdp", marks=SLOW),
     pytest.param(2, ("1", "2", "1", "compile"), id="tp_compiled", marks=SLOW),  # ~3 min each on 2 cores
     pytest.param(2, ("2", "1", "2", "compile"), id="ep_compiled", marks=SLOW),
+    pytest.param(4, ("4", "1", "2", "compile", "expert_fsdp"), id="fsdp_ep_expert_fsdp_compiled", marks=SLOW),
 ]
 
 

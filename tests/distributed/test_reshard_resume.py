@@ -16,6 +16,8 @@ LAYOUTS = {  # nproc, overrides (the global batch stays 4 rows)
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]),
     "one_process": (1, ["--training.local_batch_size", "4"]),
     "ep2": (2, ["--parallelism.expert_parallel_degree", "2"]),
+    # 4 ranks, ep=2: two ranks hold each expert, and parallelism.expert_fsdp (the default) shards its rows over them
+    "ep2_expert_fsdp": (4, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "1"]),
 }
 
 

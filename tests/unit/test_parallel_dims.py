@@ -43,6 +43,16 @@ def test_bad_model_layouts_name_the_keys(world, kw, seq_len, key, words):
     assert e.value.key == key
 
 
+def test_expert_fsdp_needs_rows_that_split_over_the_expert_holders():
+    """6 ranks, ep 2: 3 ranks hold each expert set, and the debug model's moe_intermediate_size (32) does not split in
+    3; with expert_fsdp off, or 4 holders (8 ranks), the layout is fine."""
+    with pytest.raises(ConfigError, match="moe_intermediate_size \\(32\\)") as e:
+        validate_model_layout(dims(6, expert_parallel_degree=2), get_flavor("debug"), seq_len=64, expert_fsdp=True)
+    assert e.value.key == "parallelism.expert_fsdp"
+    validate_model_layout(dims(6, expert_parallel_degree=2), get_flavor("debug"), seq_len=64, expert_fsdp=False)
+    validate_model_layout(dims(8, expert_parallel_degree=2), get_flavor("debug"), seq_len=64, expert_fsdp=True)
+
+
 def test_good_model_layouts_pass():
     for world, kw in ((4, dict(tensor_parallel_degree=4)), (8, dict(expert_parallel_degree=8)),
                       (4, dict(context_parallel_degree=2))):

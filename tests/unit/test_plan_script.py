@@ -71,7 +71,7 @@ def test_json_schema_and_trainer_flops():
     _check(out["memory"], MEMORY_FIELDS)
     _check(out["time"], TIME_FIELDS)
     assert out["schema"] == SCHEMA and out["trainer_accepts"] and out["trainer_message"] is None
-    assert out["layout"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "ep": 1, "cp": 1, "expert_fsdp": False}
+    assert out["layout"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "ep": 1, "cp": 1, "expert_fsdp": True}
     assert out["design"] == "parallelize.py"
     cfg = load_config([*DEBUG])
     assert out["time"]["flops_per_token"] == flops_per_token(build_model_args(cfg), cfg.training.seq_len)
@@ -152,23 +152,27 @@ def test_search_json(monkeypatch):
     assert {(1, 1, 1, 1, 2), (1, 1, 1, 2, 2)} <= layouts  # context-parallel layouts are searched
 
 
-def test_expert_fsdp_what_if():
-    """--expert-fsdp: the same EP layout with the experts FSDP2-sharded over the expert-data ranks (4 ranks, ep 2:
-    two ranks per expert set) holds half the expert bytes of parallelize.py's whole experts, all-gathers them, and is
-    marked as a what-if."""
+def test_expert_fsdp_shards_the_experts():
+    """parallelism.expert_fsdp (default true): on 4 ranks with ep 2 each expert set is held by two ranks, which keep
+    half its rows each (half the expert bytes of whole experts), gather them in the experts' op and reduce-scatter
+    their gradients, on the critical path; `--parallelism.expert_fsdp false` keeps them whole and all-reduces."""
     layout = ["--parallelism.expert_parallel_degree", "2"]
-    whole = json.loads(run([*DEBUG, "--gpus", "4", "--json", *layout]))
-    sharded = json.loads(run([*DEBUG, "--gpus", "4", "--json", "--expert-fsdp", *layout]))
-    assert whole["design"] == "parallelize.py" and sharded["design"].startswith("what-if")
+    sharded = json.loads(run([*DEBUG, "--gpus", "4", "--json", *layout]))
+    whole = json.loads(run([*DEBUG, "--gpus", "4", "--json", *layout, "--parallelism.expert_fsdp", "false"]))
+    assert sharded["design"] == whole["design"] == "parallelize.py"
+    assert sharded["layout"]["expert_fsdp"] and not whole["layout"]["expert_fsdp"]
     assert sharded["memory"]["state_bytes"]["params"] < whole["memory"]["state_bytes"]["params"]
-    assert any(c["name"] == "fsdp all-gather (experts)" for c in sharded["collectives"])
+    names = {c["name"]: c for c in sharded["collectives"]}
+    assert names["expert all-gather"]["group"] == 2 and not names["expert all-gather"]["overlapped"]
+    assert "expert reduce-scatter" in names and "expert grad all-reduce" not in names
+    assert sharded["time"]["exposed_comm_s"]["expert all-gather"] > 0
     assert any(c["name"] == "expert grad all-reduce" for c in whole["collectives"])
-    assert not any(c["name"] == "expert grad all-reduce" for c in sharded["collectives"])
+    assert not any(c["name"].startswith("expert all-gather") for c in whole["collectives"])
 
 
 def test_full_config_layout_on_64_h200(monkeypatch, tmp_path):
     """glm5_3_flash.toml's [parallelism] is accepted by the trainer on 64 ranks, and its comment's figures are the
-    planner's: it fits with the experts FSDP2-sharded (--expert-fsdp), and does not with today's parallelize.py."""
+    planner's: it fits with the experts sharded (expert_fsdp, the default), and does not with them whole."""
     import re
 
     from torchtitan_glm.planner import Request, plan
@@ -177,22 +181,24 @@ def test_full_config_layout_on_64_h200(monkeypatch, tmp_path):
     flash = "train_configs/glm5_3_flash.toml"
     (tmp_path / "tokens.bin").write_bytes(b"\0" * 64)  # its data path is a placeholder for the cluster's file
     monkeypatch.setenv("WORLD_SIZE", "64")
-    dims, _ = check_layout(load_config(["--config", flash, f"--data.paths={tmp_path / 'tokens.bin'}"]))
-    assert (dims.dp_shard, dims.ep, dims.cp, dims.tp) == (64, 16, 1, 1)
+    cfg = load_config(["--config", flash, f"--data.paths={tmp_path / 'tokens.bin'}"])
+    dims, _ = check_layout(cfg)
+    assert (dims.dp_shard, dims.ep, dims.cp, dims.tp, cfg.parallelism.expert_fsdp) == (64, 32, 1, 1, True)
     monkeypatch.delenv("WORLD_SIZE")
-    what_if = plan(Request(("--config", flash), 64, H200, expert_fsdp=True))
-    assert what_if.verdict.accepted and what_if.fits
-    today = plan(Request(("--config", flash), 64, H200))
-    assert not today.fits
+    stated_plan = plan(Request(("--config", flash), 64, H200))
+    assert stated_plan.verdict.accepted and stated_plan.fits and stated_plan.layout.experts_sharded
+    whole = plan(Request(("--config", flash, "--parallelism.expert_fsdp", "false"), 64, H200))
+    assert not whole.fits
     comment = (ROOT / flash).read_text()
     stated = re.search(r"peak ([\d.]+) GiB allocated, reserve\n# estimate ([\d.]+) GiB of [\d.]+ \(fits within 90%\); "
                        r"step ([\d.]+) s, ([\d,]+) tokens/s, estimated MFU ([\d.]+)%", comment)
     assert stated, "the [parallelism] comment's figures"
     peak, reserve, step, tps, mfu = stated.groups()
-    assert (float(peak), float(reserve)) == (round(what_if.memory.peak / GIB, 1), round(what_if.memory.reserved / GIB, 1))
-    assert float(step) == round(what_if.time.step_s, 2) and int(tps.replace(",", "")) == round(what_if.time.tokens_per_s)
-    assert float(mfu) == round(100 * what_if.time.mfu, 1)
-    assert f"a {today.memory.peak / GIB:.1f} GiB peak per GPU" in comment
+    got = stated_plan
+    assert (float(peak), float(reserve)) == (round(got.memory.peak / GIB, 1), round(got.memory.reserved / GIB, 1))
+    assert float(step) == round(got.time.step_s, 2) and int(tps.replace(",", "")) == round(got.time.tokens_per_s)
+    assert float(mfu) == round(100 * got.time.mfu, 1)
+    assert f"{whole.memory.peak / GIB:.1f} GiB peak per GPU" in comment.replace("\n# ", " ")
 
 
 def test_layout_overrides_reach_the_trainer_whole():

@@ -96,8 +96,8 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> dict[str, DeviceMesh]:
         """Every named mesh, created once (so all process groups exist) and kept by name: torch deprecates slicing
         flattened dims back out of the root mesh. Keys: world, dp_replicate, dp_shard, cp, tp, dp, dp_shard_cp,
-        dp_cp, fsdp (the dense FSDP2 mesh: 2-D (dp_replicate, dp_shard_cp) under HSDP) and, with ep > 1, ep and
-        edp (dp_replicate x dp_shard_mod_ep: the ranks that hold the same experts)."""
+        dp_cp, fsdp (the dense FSDP2 mesh: 2-D (dp_replicate, dp_shard_cp) under HSDP) and, with ep > 1, ep, edp
+        (dp_replicate x dp_shard_mod_ep: the ranks that hold the same experts) and experts (the 2-D (edp, ep))."""
         if self.ep > 1:
             in_ep = self.ep // self.cp
             names = ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
@@ -121,10 +121,13 @@ class ParallelDims:
         if self.ep > 1:
             meshes["ep"] = world[("dp_shard_in_ep", "cp")]._flatten("ep")
             meshes["edp"] = world[("dp_replicate", "dp_shard_mod_ep")]._flatten("edp")
+            with warnings.catch_warnings():  # (edp, ep): where parallelism.expert_fsdp's expert DTensors live
+                warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+                meshes["experts"] = world["edp", "ep"]
         return meshes
 
 
-def validate_model_layout(dims: ParallelDims, args, *, seq_len: int) -> None:
+def validate_model_layout(dims: ParallelDims, args, *, seq_len: int, expert_fsdp: bool = False) -> None:
     """Model-dependent layout rules (heads / experts / sequence divisibility) as ConfigErrors naming the keys.
 
     Runs right after the model args are built and before any process group starts. `args` is a Glm5ModelArgs.
@@ -148,6 +151,13 @@ def validate_model_layout(dims: ParallelDims, args, *, seq_len: int) -> None:
     if ep > 1 and args.n_routed_experts % ep:
         raise ConfigError(f"{_KEY}expert_parallel_degree",
                           f"{ep} does not divide the model's n_routed_experts ({args.n_routed_experts})")
+    if ep > 1 and expert_fsdp and dims.edp > 1:
+        for name, value in (("moe_intermediate_size", args.moe_intermediate_size), ("hidden_size", args.hidden_size)):
+            if value % dims.edp:
+                raise ConfigError(f"{_KEY}expert_fsdp",
+                                  f"the {dims.edp} ranks that hold the same experts (world / tensor_parallel / "
+                                  f"expert_parallel) do not divide the model's {name} ({value}), along which the "
+                                  "experts' rows are sharded; set it false or choose another expert_parallel_degree")
     if cp > 1:
         unit = 2 * cp * args.index_kpool
         if seq_len % unit:

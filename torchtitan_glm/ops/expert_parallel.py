@@ -10,6 +10,12 @@ of the rows, as activation checkpointing would) and differentiates the local exp
 Layout: x [N, D] holds this rank's routed rows sorted by global expert id (counts [E]); rank r of the group owns
 experts [r*E/ep, (r+1)*E/ep) (the Shard(0) of the stacked weights). The experts run in x's dtype (their weights
 are cast as FSDP2's mixed precision would); weight gradients come back in the weights' dtype.
+
+Expert sharding (`shard_group`, parallelism.expert_fsdp): the ranks that hold the same experts (the expert-data
+group) each keep 1/edp of every local expert's rows (dim 1 of the [E/ep, out, in] weights), as FSDP2 keeps its
+shards. The op all-gathers the full local experts in x's dtype (forward, and again in backward, as FSDP2's
+reshard-after-forward does), and reduce-scatters the weight gradients in the weights' dtype, scaled by
+`grad_scale`. Inside the op, not as FSDP2 hooks on the experts: hooks inside a block would break its compiled graph.
 """
 
 from __future__ import annotations
@@ -61,6 +67,32 @@ class _Plan:
         return out
 
 
+def _gather_rows(w: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """[E, out/n, in] shards of the group's n ranks -> the full [E, out, in] (rank-major along dim 1)."""
+    n = dist.get_world_size(group)
+    out = w.new_empty(n * w.shape[0], *w.shape[1:])  # rank-major along dim 0, as the collective writes it
+    dist.all_gather_into_tensor(out, w.contiguous(), group=group)
+    return out.view(n, *w.shape).movedim(0, 1).reshape(w.shape[0], n * w.shape[1], *w.shape[2:])
+
+
+def _reduce_scatter_rows(g: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """[E, out, in] summed over the group's ranks, each keeping its [E, out/n, in] rows (inverse of _gather_rows)."""
+    n = dist.get_world_size(group)
+    parts = g.reshape(g.shape[0], n, g.shape[1] // n, *g.shape[2:]).movedim(1, 0).contiguous()
+    out = g.new_empty(parts.shape[1:])
+    dist.reduce_scatter_tensor(out, parts.flatten(0, 1), group=group)
+    return out
+
+
+def _full_weights(ws: tuple[Tensor, ...], dtype: torch.dtype, shard_group_name: str) -> list[Tensor]:
+    """The local experts' weights in the compute dtype, gathered over the expert-data group when they are sharded."""
+    ws = [w.to(dtype) for w in ws]
+    if not shard_group_name:
+        return ws
+    group = _group(shard_group_name)
+    return [_gather_rows(w, group) for w in ws]
+
+
 def _local(x, counts, w_gate, w_up, w_down, swiglu_limit, fp8):
     from torchtitan_glm.models.glm5.moe import grouped_swiglu
 
@@ -70,57 +102,71 @@ def _local(x, counts, w_gate, w_up, w_down, swiglu_limit, fp8):
 
 @torch.library.custom_op("torchtitan_glm::ep_swiglu_fwd", mutates_args=())
 def ep_swiglu_fwd(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, group_name: str,
-                  swiglu_limit: float, fp8: bool) -> Tensor:
+                  swiglu_limit: float, fp8: bool, shard_group_name: str, grad_scale: float) -> Tensor:
     """Dispatch -> local experts -> combine; [N, D] -> [N, D] in x's row order."""
     plan = _Plan(counts, _group(group_name), w_gate.shape[0])
     with torch.no_grad():
-        y = _local(plan.dispatch(x), plan.local_counts, w_gate, w_up, w_down, swiglu_limit, fp8)
+        ws = _full_weights((w_gate, w_up, w_down), x.dtype, shard_group_name)
+        y = _local(plan.dispatch(x), plan.local_counts, *ws, swiglu_limit, fp8)
     return plan.combine(y)
 
 
 @ep_swiglu_fwd.register_fake
-def _(x, counts, w_gate, w_up, w_down, group_name, swiglu_limit, fp8):
+def _(x, counts, w_gate, w_up, w_down, group_name, swiglu_limit, fp8, shard_group_name, grad_scale):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("torchtitan_glm::ep_swiglu_bwd", mutates_args=())
 def ep_swiglu_bwd(dy: Tensor, x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
-                  group_name: str, swiglu_limit: float, fp8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dw_gate, dw_up, dw_down): dispatch x and dy again, differentiate the local experts, combine dx."""
+                  group_name: str, swiglu_limit: float, fp8: bool, shard_group_name: str,
+                  grad_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dw_gate, dw_up, dw_down): dispatch x and dy again, differentiate the local experts, combine dx; with
+    sharded experts the weight gradients are reduce-scattered over the expert-data group and scaled."""
     plan = _Plan(counts, _group(group_name), w_gate.shape[0])
     xs = plan.dispatch(x).detach().requires_grad_(True)
     dys = plan.dispatch(dy)
-    ws = [w.detach().requires_grad_(True) for w in (w_gate, w_up, w_down)]
+    shards = (w_gate, w_up, w_down)
+    if shard_group_name:
+        with torch.no_grad():
+            ws = [w.requires_grad_(True) for w in _full_weights(shards, x.dtype, shard_group_name)]
+    else:
+        ws = [w.detach().requires_grad_(True) for w in shards]
     with _autograd_inside_kernel():
         y = _local(xs, plan.local_counts, *ws, swiglu_limit, fp8)
         grads = torch.autograd.grad(y, [xs, *ws], dys.to(y.dtype), allow_unused=True)
     dxs, *dws = (torch.zeros_like(t) if g is None else g for t, g in zip([xs, *ws], grads))
+    if shard_group_name:
+        group = _group(shard_group_name)
+        dws = [_reduce_scatter_rows(g.to(w.dtype), group).mul_(grad_scale) for g, w in zip(dws, shards)]
     return (plan.combine(dxs.to(x.dtype)), *(g.contiguous() for g in dws))
 
 
 @ep_swiglu_bwd.register_fake
-def _(dy, x, counts, w_gate, w_up, w_down, group_name, swiglu_limit, fp8):
+def _(dy, x, counts, w_gate, w_up, w_down, group_name, swiglu_limit, fp8, shard_group_name, grad_scale):
     return torch.empty_like(x), torch.empty_like(w_gate), torch.empty_like(w_up), torch.empty_like(w_down)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, counts, w_gate, w_up, w_down, group_name, swiglu_limit, fp8 = inputs
+    x, counts, w_gate, w_up, w_down, *args = inputs
     ctx.save_for_backward(x, counts, w_gate, w_up, w_down)
-    ctx.args = (group_name, swiglu_limit, fp8)
+    ctx.args = tuple(args)
 
 
 def _backward(ctx, dy):
     x, counts, w_gate, w_up, w_down = ctx.saved_tensors
     dx, dg, du, dd = torch.ops.torchtitan_glm.ep_swiglu_bwd(dy.contiguous(), x, counts, w_gate, w_up, w_down,
                                                             *ctx.args)
-    return dx, None, dg, du, dd, None, None, None
+    return dx, None, dg, du, dd, None, None, None, None, None
 
 
 ep_swiglu_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def expert_parallel_swiglu(x_sorted: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, *,
-                           group: dist.ProcessGroup, swiglu_limit: float, fp8: bool) -> Tensor:
+                           group: dist.ProcessGroup, swiglu_limit: float, fp8: bool,
+                           shard_group: dist.ProcessGroup | None = None, grad_scale: float = 1.0) -> Tensor:
     """The routed experts of one MoE layer under expert parallelism (see module docstring): x_sorted [N, D] rows
-    sorted by global expert, counts [E], this rank's expert weights [E/ep, out, in] -> [N, D]."""
-    return ep_swiglu_fwd(x_sorted, counts, w_gate, w_up, w_down, group.group_name, swiglu_limit, fp8)
+    sorted by global expert, counts [E], this rank's expert weights [E/ep, out, in] -> [N, D]; with `shard_group`
+    the weights are this rank's [E/ep, out/edp, in] rows of them (gradients reduce-scattered, times grad_scale)."""
+    return ep_swiglu_fwd(x_sorted, counts, w_gate, w_up, w_down, group.group_name, swiglu_limit, fp8,
+                         "" if shard_group is None else shard_group.group_name, grad_scale)

@@ -68,17 +68,25 @@ def fsdp_collectives(inv: ModelInventory, layout: Layout, gpu: GpuSpec, *, param
         if u.kind == "mtp" and not with_mtp:
             continue
         colls = []
-        for expert in (False, True):  # experts have their own FSDP group under the expert-FSDP what-if
+        for expert in (False, True):
             part = Unit(u.name, u.kind, tuple(p for p in u.params if p.expert == expert), u.reshard_after_forward)
-            group = layout.edp if (expert and layout.ep > 1) else layout.fsdp
-            tag = " (experts)" if expert and layout.ep > 1 else ""
             gathered = unit_bytes(part, layout, dtype_bytes=param_bytes, sharded=False)
             grads = trainable_unit_bytes(part, layout, dtype_bytes=reduce_bytes)
+            if expert and layout.ep > 1 and not layout.experts_sharded:
+                continue  # whole experts: the out-of-FSDP all-reduce (other_collectives)
+            if expert and layout.ep > 1:
+                # expert_fsdp: gathered in forward and again in backward, reduce-scattered, inside the experts' op,
+                # so on the critical path (FSDP2 prefetches its own gathers behind compute)
+                group = layout.expert_shards
+                colls += [_coll("expert all-gather", group, 2, gathered * 2, layout.gpus, gpu),
+                          _coll("expert reduce-scatter", group, 1, grads, layout.gpus, gpu)]
+                continue
+            group = layout.fsdp
             gathers = 1 + int(u.reshard_after_forward)
             colls += [
-                _coll("fsdp all-gather" + tag, group, gathers, gathered * gathers, span, gpu, overlapped=True),
-                _coll("fsdp reduce-scatter" + tag, group, 1, grads, span, gpu, overlapped=True),
-                _coll("hsdp all-reduce" + tag, layout.dp_replicate, 1, grads / group, layout.gpus, gpu, factor=2.0,
+                _coll("fsdp all-gather", group, gathers, gathered * gathers, span, gpu, overlapped=True),
+                _coll("fsdp reduce-scatter", group, 1, grads, span, gpu, overlapped=True),
+                _coll("hsdp all-reduce", layout.dp_replicate, 1, grads / group, layout.gpus, gpu, factor=2.0,
                       overlapped=True),
             ]
         out[u.name] = [c for c in colls if c is not None]
@@ -96,7 +104,7 @@ def other_collectives(inv: ModelInventory, layout: Layout, gpu: GpuSpec, ctx: Ac
     kept = state_bytes(inv, layout).replicated_grads - experts
     data_ranks = layout.gpus // layout.tp
     out.append(_coll("fp32-kept grad all-reduce", data_ranks, 1, kept, layout.gpus, gpu, factor=2.0))
-    if layout.ep > 1:
+    if layout.ep > 1 and not layout.experts_sharded:
         out.append(_coll("expert grad all-reduce", layout.dp_replicate * layout.edp, 1, experts, layout.gpus, gpu,
                          factor=2.0))
     layers = [u for u in inv.units if u.kind not in ("embed", "head") and (with_mtp or u.kind != "mtp")]

@@ -83,7 +83,6 @@ class Request:
     gpu: GpuSpec
     scope: str = "train"
     what_if: bool = False  # plan layouts the trainer does not accept yet (marked with its message)
-    expert_fsdp: bool = False  # what-if: under EP the experts FSDP2-sharded (TorchTitan's design), not parallelize.py's
 
 
 @dataclass
@@ -100,9 +99,6 @@ class Plan:
     @property
     def design(self) -> str:
         """What parallelisation the plan assumes: the trainer's, or a what-if."""
-        if self.layout.expert_fsdp and self.layout.ep > 1:
-            return ("what-if: routed experts FSDP2-sharded over the expert-data ranks (TorchTitan's design); "
-                    "parallelize.py keeps them whole out of FSDP2")
         return "parallelize.py" if self.verdict.accepted else "what-if: a layout the trainer rejects today"
 
     @property
@@ -169,7 +165,8 @@ def assumptions(gpu: GpuSpec) -> list[str]:
         "and columns' terms by tp",
         "DSA: absorbed sparse MLA over index_topk + kpool - 1 tokens; the indexer's tiled top-k and KL in FP32",
         "expert load balanced (each rank's experts receive tokens x top-k rows); FSDP collectives hidden behind one "
-        "neighbouring unit's compute; EP all-to-all, TP, CP and the out-of-FSDP gradient all-reduces not hidden",
+        "neighbouring unit's compute; EP all-to-all, TP, CP, the routed experts' gathers and reduce-scatters inside "
+        "their op (expert_fsdp) and the out-of-FSDP gradient all-reduces not hidden",
         "context parallelism as the trainer runs it: each rank computes seq_len / cp tokens of every row (zigzag); DSA "
         "keeps the all-gathered latent, pools the whole rows and runs the indexer KL per zigzag chunk (checked against "
         "2-rank gloo captures, eager and full AC); KDA chains its states through FLA's CP all-gathers (compute at "
@@ -245,8 +242,7 @@ def plan(request: Request) -> Plan:
             raise PlanError(f"scope {request.scope!r} is scripts/benchmark.py on one device; got --gpus {request.gpus}")
         layout, verdict = Layout(), Verdict(True)
     else:
-        layout = dataclasses.replace(resolve_layout(fields, gpus=request.gpus, config=cfg.parallelism),
-                                     expert_fsdp=request.expert_fsdp)
+        layout = resolve_layout(fields, gpus=request.gpus, config=cfg.parallelism)
         verdict = trainer_verdict(rest, layout, gpus=request.gpus, explicit_shard="dp_shard" in fields)
         if not verdict.accepted and not request.what_if:
             raise verdict.error
@@ -273,7 +269,7 @@ def search(request: Request, *, top: int = 5, regimes: tuple[str, ...] | None = 
     regimes = regimes or (regime_of(cfg),)
     plans, rejected = [], {}
     for layout in cands:
-        layout = dataclasses.replace(layout, expert_fsdp=request.expert_fsdp)
+        layout = dataclasses.replace(layout, expert_fsdp=cfg.parallelism.expert_fsdp)
         verdict = trainer_verdict(rest, layout, gpus=request.gpus)
         if not verdict.accepted:
             rejected[layout.describe()] = verdict.message

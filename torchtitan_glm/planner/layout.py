@@ -36,9 +36,9 @@ class Layout:
     tp: int = 1
     ep: int = 1
     cp: int = 1
-    # What-if, not parallelize.py today: under EP the routed experts FSDP2-sharded over the expert-data ranks
-    # (TorchTitan's design) instead of kept whole out of FSDP2.
-    expert_fsdp: bool = False
+    # parallelism.expert_fsdp: under EP the routed experts' rows sharded over the ranks that hold the same experts
+    # (gathered and reduce-scattered inside their op), instead of kept whole with their gradients all-reduced.
+    expert_fsdp: bool = True
 
     @property
     def gpus(self) -> int:
@@ -56,8 +56,19 @@ class Layout:
 
     @property
     def edp(self) -> int:
-        """FSDP2 shard degree of the routed experts (the dp_shard x cp ranks that hold the same experts)."""
+        """The dp_shard x cp ranks of one replica that hold the same experts."""
         return self.fsdp // self.ep
+
+    @property
+    def expert_shards(self) -> int:
+        """What the routed experts' rows are sharded over under EP: every rank holding the same experts
+        (dp_replicate x edp, parallelize.py's expert_fsdp), or 1 without expert_fsdp."""
+        return self.dp_replicate * self.edp if self.expert_fsdp and self.ep > 1 else 1
+
+    @property
+    def experts_sharded(self) -> bool:
+        """Whether parallelize.py shards the routed experts' rows (EP, expert_fsdp, and more than one holder)."""
+        return self.expert_shards > 1
 
     def parallelism_overrides(self, *, explicit_shard: bool = True) -> list[str]:
         """`--parallelism.key=value` arguments for train.py, every key (a key left out would take the config's
@@ -68,11 +79,11 @@ class Layout:
             if field == "dp_shard" and not explicit_shard:
                 value = -1
             out.append(f"--parallelism.{key}={value}")
-        return out
+        return out + [f"--parallelism.expert_fsdp={str(self.expert_fsdp).lower()}"]
 
     def describe(self) -> str:
         return (f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} ep={self.ep} "
-                f"cp={self.cp}" + (" (experts FSDP2-sharded: what-if)" if self.expert_fsdp and self.ep > 1 else ""))
+                f"cp={self.cp}" + (" (expert_fsdp off)" if self.ep > 1 and not self.expert_fsdp else ""))
 
     def as_dict(self) -> dict[str, int | bool]:
         return {**{f: getattr(self, f) for f in PARALLELISM_KEYS}, "expert_fsdp": self.expert_fsdp}
@@ -130,7 +141,8 @@ def resolve_layout(fields: dict[str, int], *, gpus: int, config=None) -> Layout:
     if shard == -1:
         others = rep * tp * cp
         shard = gpus // others if others > 0 and gpus % others == 0 else 0
-    return Layout(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, cp=cp)
+    return Layout(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, cp=cp,
+                  expert_fsdp=bool(fields.get("expert_fsdp", getattr(config, "expert_fsdp", True))))
 
 
 @contextlib.contextmanager

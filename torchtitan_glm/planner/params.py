@@ -36,14 +36,15 @@ class Shard:
 
 
 def outside(p: Param, layout: Layout) -> bool:
-    """Kept out of FSDP2 by parallelize.py: FP32-kept parameters, and routed experts under expert parallelism
-    (unless the layout is the expert-FSDP what-if)."""
-    return p.replicated or (p.expert and layout.ep > 1 and not layout.expert_fsdp)
+    """Kept whole, gradients all-reduced after the backward: FP32-kept parameters, and routed experts under expert
+    parallelism without expert_fsdp."""
+    return p.replicated or (p.expert and layout.ep > 1 and not layout.experts_sharded)
 
 
 def fsdp_world(p: Param, layout: Layout) -> int:
-    """The FSDP2 shard degree of `p`: dp_shard x cp, or for FSDP-sharded experts under EP the expert-data ranks."""
-    return layout.edp if (p.expert and layout.ep > 1) else layout.fsdp
+    """The shard degree of `p`: dp_shard x cp (FSDP2), or for routed experts under EP with expert_fsdp every rank
+    holding the same experts (their op's gather / reduce-scatter)."""
+    return layout.expert_shards if (p.expert and layout.ep > 1) else layout.fsdp
 
 
 def shard_of(p: Param, layout: Layout, *, rank: int = 0) -> Shard:

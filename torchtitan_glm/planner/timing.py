@@ -117,10 +117,11 @@ def plan_time(inv: ModelInventory, layout: Layout, gpu: GpuSpec, ctx: ActContext
     # proportion to their parameters' FLOPs, approximated here by an even split over the compute-bearing units.
     units = [u for u in inv.units if u.name in fsdp]
     per_unit = total_compute / max(1, len(units))
-    exposed_fsdp = sum(max(0.0, sum(c.seconds for c in fsdp[u.name]) - per_unit) for u in units)
+    exposed_fsdp = sum(max(0.0, sum(c.seconds for c in fsdp[u.name] if c.overlapped) - per_unit) for u in units)
     first_gather = min((c.seconds for c in fsdp.get("embed_tokens", []) if "all-gather" in c.name), default=0.0)
     exposed = {"fsdp": exposed_fsdp + first_gather}
-    for c in others:
+    # the experts' own gathers and reduce-scatters (expert_fsdp) run inside their op: all exposed
+    for c in [c for cs in fsdp.values() for c in cs if not c.overlapped] + others:
         exposed[c.name] = exposed.get(c.name, 0.0) + c.seconds
     step = total_compute + sum(exposed.values())
     tokens = layout.dp * local_batch * seq_len

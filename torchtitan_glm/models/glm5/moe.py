@@ -77,7 +77,8 @@ class GroupedExperts(nn.Module):
     `fp8` (set by float8.py's conversion, never by hand) runs the three grouped GEMMs in FP8 rowwise, with every
     expert's token group padded to a multiple of 16 rows as the FP8 grouped GEMM requires. `ep_group` (set by
     parallelize.py's expert parallelism) holds this rank's E/ep experts and exchanges the tokens with the other ranks
-    of that group (ops/expert_parallel.py)."""
+    of that group (ops/expert_parallel.py); `shard_group` (parallelism.expert_fsdp) shards their rows further over the
+    ranks that hold the same experts."""
 
     linear_roles = {"gate_proj": "experts", "up_proj": "experts", "down_proj": "experts"}
 
@@ -88,6 +89,8 @@ class GroupedExperts(nn.Module):
         self.init_std = args.initializer_range
         self.fp8 = False
         self.ep_group = None
+        self.shard_group = None  # parallelize.py: the expert-data group the weights' rows are sharded over
+        self.grad_scale = 1.0  # ... and the factor its reduce-scattered gradients take
         self.gate_proj = nn.Parameter(torch.empty(e, i, d))
         self.up_proj = nn.Parameter(torch.empty(e, i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
@@ -99,7 +102,8 @@ class GroupedExperts(nn.Module):
             from torchtitan_glm.ops.expert_parallel import expert_parallel_swiglu
 
             return expert_parallel_swiglu(x_sorted, counts, *weights, group=self.ep_group,
-                                          swiglu_limit=self.swiglu_limit, fp8=self.fp8)
+                                          swiglu_limit=self.swiglu_limit, fp8=self.fp8,
+                                          shard_group=self.shard_group, grad_scale=self.grad_scale)
         return grouped_swiglu(x_sorted, counts, *weights, swiglu_limit=self.swiglu_limit, fp8=self.fp8)
 
     def init_weights(self) -> None:

@@ -18,7 +18,10 @@ Tensor parallel (DTensor `parallelize_module`, heads and MLP columns split over 
 Expert parallel: each MoE's routed experts are sharded Shard(0) over the ep mesh (E/ep per rank) and exchange tokens
   with all-to-alls inside one custom op (ops/expert_parallel.py). They are kept out of FSDP2 (a nested FSDP group
   would put hooks inside the compiled block, and the block's own group cannot hold parameters sharded over an
-  overlapping mesh): ranks that hold the same experts average their gradients like the FP32-kept parameters.
+  overlapping mesh). With parallelism.expert_fsdp (the default) the ranks that hold the same experts (edp) each keep
+  1/edp of their rows, a 2-D [Shard(1), Shard(0)] DTensor on (edp, ep), and the op gathers them and reduce-scatters
+  their gradients (ZeRO-3 inside the op, FSDP2's memory without its hooks); without it every rank keeps its experts
+  whole and the edp ranks average their gradients like the FP32-kept parameters.
 FP32-kept parameters (`keep_fp32`: mHC maps, A_log/dt_bias, short convs, router, KPool APE, FP32 norms) stay out of
 the BF16 FSDP groups (nested FP32 groups break fullgraph): replicated over the data/context ranks (and sharded
 over tp where the plan says so), their gradients averaged by `Replicated.allreduce_grads` (bucketed all-reduces
@@ -134,14 +137,26 @@ def apply_tensor_parallel(model: nn.Module, *, tp_mesh: DeviceMesh) -> None:
 
 
 # ------------------------------------------------------------------------------------------ expert parallel
-def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh) -> list[nn.Parameter]:
-    """Shard every MoE's routed experts over ep_mesh (Shard(0) of the stacked weights); returns their parameters."""
+def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh, expert_mesh: DeviceMesh | None = None,
+                          grad_scale: float = 1.0) -> list[nn.Parameter]:
+    """Shard every MoE's routed experts over ep_mesh (Shard(0) of the stacked weights); returns their parameters.
+
+    expert_mesh: the 2-D (edp, ep) mesh (parallelism.expert_fsdp): the experts' rows are also sharded over edp,
+    [Shard(1), Shard(0)], and their op reduce-scatters the gradients over it, times grad_scale."""
     params = []
     for module in model.modules():
-        if isinstance(module, GroupedExperts):
+        if not isinstance(module, GroupedExperts):
+            continue
+        if expert_mesh is None:
             HeadLocalParams(Shard(0))._apply(module, ep_mesh)
-            module.ep_group = ep_mesh.get_group()
-            params += list(module.parameters(recurse=False))
+        else:
+            for name, p in list(module.named_parameters(recurse=False)):
+                dt = distribute_tensor(p.data, expert_mesh, [Shard(1), Shard(0)])
+                module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+            module.shard_group = expert_mesh.get_group("edp")
+            module.grad_scale = grad_scale
+        module.ep_group = ep_mesh.get_group()
+        params += list(module.parameters(recurse=False))
     return params
 
 
@@ -160,15 +175,22 @@ def parallelize_glm5(
     compile_components: list[str] | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     cpu_offload: bool = False,
+    expert_fsdp: bool = False,
 ) -> Replicated:
     """TP -> EP -> AC -> compile -> FSDP2 in place (meshes from ParallelDims.build_mesh); returns the parameters kept
     out of FSDP2 and how to keep them in sync (their gradient all-reduces overlap with backward, in buckets of
     `bucket_bytes`; distributed/replicated.py). cpu_offload: FSDP2 keeps the sharded parameters, their gradients
-    (and so the optimizer's states) in (pinned, on a GPU) host memory; the parameters kept out of FSDP2 stay put."""
+    (and so the optimizer's states) in (pinned, on a GPU) host memory; the parameters kept out of FSDP2 stay put.
+    expert_fsdp: shard the routed experts over the expert-data ranks too (see apply_expert_parallel)."""
     tp, ep = meshes["tp"], meshes.get("ep")
+    dp_cp_size = meshes["dp_cp"].size()
     if tp.size() > 1:
         apply_tensor_parallel(model, tp_mesh=tp)
-    experts = apply_expert_parallel(model, ep_mesh=ep) if ep is not None and ep.size() > 1 else []
+    experts: list[nn.Parameter] = []
+    sharded_experts = expert_fsdp and ep is not None and ep.size() > 1 and meshes["edp"].size() > 1
+    if ep is not None and ep.size() > 1:
+        experts = apply_expert_parallel(model, ep_mesh=ep, expert_mesh=meshes["experts"] if sharded_experts else None,
+                                        grad_scale=1.0 / dp_cp_size)
     apply_activation_checkpointing(model, mode=ac_mode, recompute_modules=recompute_modules)
     if compile_enable:
         apply_compile(model, backend=compile_backend, mode=compile_mode, components=compile_components or ["model"])
@@ -190,7 +212,6 @@ def parallelize_glm5(
     register_fsdp_forward_method(model, "logits")  # the inference entry gets the root's FSDP hooks too
 
     dp_cp = meshes["dp_cp"].get_group()
-    dp_cp_size = meshes["dp_cp"].size()
     plain = [p for p in kept if not isinstance(p, DTensor)]
     sharded = [p for p in kept if isinstance(p, DTensor)]
     out = Replicated()
@@ -198,7 +219,7 @@ def parallelize_glm5(
     out.groups.append(ReplicaGroup(plain, dp_cp, 1.0 / dp_cp_size, broadcast_group=dist.group.WORLD))
     if sharded:
         out.groups.append(ReplicaGroup(sharded, dp_cp, 1.0 / dp_cp_size))
-    if experts:
+    if experts and not sharded_experts:
         # each owner already summed its ep group's tokens (the all-to-all backward); add the other expert replicas
         out.groups.append(ReplicaGroup(experts, meshes["edp"].get_group(), 1.0 / dp_cp_size))
     out.overlap_with_backward(order=reversed(_blocks(model)), bucket_bytes=bucket_bytes)
