@@ -1,5 +1,6 @@
 """torchrun worker (2 ranks) for test_hf_distributed.py: HF checkpoints loaded and exported through DCP's HF storage
-under FSDP2, TP and EP, each rank reading and writing only its shards.
+under FSDP2, TP and EP, each rank reading and writing only its shards; on 4 ranks, EP 2 with the experts' rows
+sharded over the two ranks that hold them (parallelism.expert_fsdp) instead.
 
 usage: _hf_worker.py WORK_DIR
 WORK_DIR holds (written by the test) `bf16/` and `fp8/` (save_pretrained of the debug model; fp8: the released FP8
@@ -29,14 +30,16 @@ from torchtitan_glm.models.glm5.parallelize import parallelize_glm5
 
 LAYOUTS = {"fsdp": dict(data_parallel_shard_degree=2), "tp": dict(data_parallel_shard_degree=1, tensor_parallel_degree=2),
            "ep": dict(data_parallel_shard_degree=2, expert_parallel_degree=2)}
+LAYOUTS_4 = {"ep_expert_fsdp": dict(data_parallel_shard_degree=4, expert_parallel_degree=2, expert_fsdp=True)}
 
 
 def build(args: Glm5ModelArgs, layout: str) -> torch.nn.Module:
-    dims = ParallelDims.from_config(ParallelismConfig(**LAYOUTS[layout]), world_size=dist.get_world_size())
+    cfg = ParallelismConfig(**{**LAYOUTS, **LAYOUTS_4}[layout])
+    dims = ParallelDims.from_config(cfg, world_size=dist.get_world_size())
     with torch.device("meta"):
         model = Glm5Model(args)
     parallelize_glm5(model, meshes=dims.build_mesh("cpu"), param_dtype="float32", reduce_dtype="float32",
-                     ac_mode="none", compile_enable=False)
+                     ac_mode="none", compile_enable=False, expert_fsdp=cfg.expert_fsdp)
     model.to_empty(device="cpu")
     with torch.no_grad():
         for p in model.parameters():
@@ -78,6 +81,14 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
 
+    layouts = LAYOUTS_4 if dist.get_world_size() == 4 else LAYOUTS
+    if layouts is LAYOUTS:
+        memory_check(work, rank)
+    check_layouts(work, rank, layouts)
+    dist.destroy_process_group()
+
+
+def memory_check(work: Path, rank: int) -> None:
     # -- memory: the ~110 MB model under FSDP over 2 ranks (about 55 MB of FP32 parameters each)
     big_args = Glm5ModelArgs.from_hf_config(work / "big")
     model = build(big_args, "fsdp")
@@ -98,12 +109,17 @@ def main() -> None:
         same_files(work / "out" / "big", work / "big")
     del model
 
+
+def check_layouts(work: Path, rank: int, layouts: dict) -> None:
     # -- every layout, BF16 and FP8 sources: the load equals from_pretrained's, the export reproduces the files
     for source in ("bf16", "fp8"):
         reference = from_pretrained(work / source)
         ref = dict(list(reference.named_parameters()) + list(reference.named_buffers()))
-        for layout in LAYOUTS:
+        for layout in layouts:
             model = build(Glm5ModelArgs.from_hf_config(work / source), layout)
+            if layout == "ep_expert_fsdp":  # the experts really are 2-D sharded
+                w = next(p for n, p in model.named_parameters() if n.endswith("experts.gate_proj"))
+                assert isinstance(w, DTensor) and w.device_mesh.ndim == 2, w
             load_hf_weights_into(model, work / source)
             for name, p in list(model.named_parameters()) + list(model.named_buffers()):
                 full = p.full_tensor() if isinstance(p, DTensor) else p
@@ -118,7 +134,6 @@ def main() -> None:
             except FileExistsError as e:
                 assert "not empty" in str(e)
             print(f"rank {rank} {source} {layout} OK", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

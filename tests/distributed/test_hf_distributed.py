@@ -47,18 +47,33 @@ def _same_files(got: Path, want: Path) -> None:
             assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
 
 
-def test_fsdp_tp_ep_load_and_export_read_and_write_only_their_shards(tmp_path):
-    _write_sources(tmp_path, big=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
-           str(Path(__file__).with_name("_hf_worker.py")), str(tmp_path)]
+def _hf_worker(work: Path, nproc: int) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}",
+           str(Path(__file__).with_name("_hf_worker.py")), str(work)]
     env = dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    return res
+
+
+def test_fsdp_tp_ep_load_and_export_read_and_write_only_their_shards(tmp_path):
+    _write_sources(tmp_path, big=True)
+    res = _hf_worker(tmp_path, 2)
     for rank in range(2):
         for source in ("bf16", "fp8"):
             for layout in ("fsdp", "tp", "ep"):
                 assert f"rank {rank} {source} {layout} OK" in res.stdout
+
+
+def test_expert_fsdp_load_and_export(tmp_path):
+    """4 ranks, ep 2, each expert's rows split over the two ranks that hold it (parallelism.expert_fsdp, a 2-D
+    DTensor): the HF load equals from_pretrained's and the export reproduces the BF16 and FP8 files."""
+    _write_sources(tmp_path, big=False)
+    res = _hf_worker(tmp_path, 4)
+    for rank in range(4):
+        for source in ("bf16", "fp8"):
+            assert f"rank {rank} {source} ep_expert_fsdp OK" in res.stdout
 
 
 @pytest.mark.parametrize("source", ["bf16", "fp8"])

@@ -27,7 +27,7 @@ LAYOUTS = [  # nproc, worker args: dp_shard tp ep [dp_replicate] [compile]
     pytest.param(2, ("1", "2", "1"), id="tp"),
     pytest.param(2, ("2", "1", "2"), id="ep"),
     pytest.param(4, ("2", "2", "1"), id="fsdp_tp"),
-    pytest.param(4, ("4", "1", "2"), id="fsdp_ep"),
+    pytest.param(4, ("4", "1", "2"), id="fsdp_ep", marks=SLOW),  # whole experts (expert_fsdp off); CI time
     pytest.param(4, ("4", "1", "2", "expert_fsdp"), id="fsdp_ep_expert_fsdp"),
     pytest.param(4, ("2", "2", "2"), id="tp_ep", marks=SLOW),
     pytest.param(4, ("2", "1", "2", "2"), id="hsdp_ep", marks=SLOW),

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from torchtitan_glm.float8 import plain_tensors
@@ -79,14 +79,22 @@ def _local(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     return t, (0,) * t.ndim
 
 
-def _local_experts(name: str, t: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """(first expert index, local [e, out, in] block) of stacked experts; every layout shards them by whole experts
-    (FSDP2 and expert parallelism split dim 0 only)."""
+def _local_experts(name: str, t: torch.Tensor) -> list[tuple[int, torch.Tensor | None, torch.Tensor, int]]:
+    """This rank's part of each of its stacked experts [E, out, in], as (expert index, DTensor of the per-expert
+    [out, in] tensor or None when the rank holds it whole, local rows, first row). FSDP2 and expert parallelism split
+    dim 0 (whole experts); parallelism.expert_fsdp also splits dim 1 evenly over one mesh dim (`Shard(1)`), so each
+    per-expert tensor is then row-sharded over that dim's ranks."""
     local, offset = _local(t)
-    if offset[1:] != (0, 0) or tuple(local.shape[1:]) != tuple(t.shape[1:]):
-        raise RuntimeError(f"{name}: its shard {tuple(local.shape)} at {offset} is not a set of whole experts of "
-                           f"{tuple(t.shape)}; the HF per-expert layout needs the experts sharded on dim 0 only")
-    return offset[0], local
+    rows_split = tuple(local.shape[1:]) != tuple(t.shape[1:])
+    dims = [i for i, p in enumerate(getattr(t, "placements", ())) if p.is_shard(1)]
+    if offset[2] != 0 or local.shape[2] != t.shape[2] or (rows_split and len(dims) != 1):
+        raise RuntimeError(f"{name}: its shard {tuple(local.shape)} at {offset} is neither a set of whole experts of "
+                           f"{tuple(t.shape)} nor their rows split over one mesh dim")
+    if not rows_split:
+        return [(offset[0] + i, None, local[i], 0) for i in range(local.shape[0])]
+    mesh = t.device_mesh[t.device_mesh.mesh_dim_names[dims[0]]]
+    return [(offset[0] + i, DTensor.from_local(local[i], mesh, [Shard(0)], run_check=False), local[i], offset[1])
+            for i in range(local.shape[0])]
 
 
 def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -186,9 +194,8 @@ def load_hf_weights_into(model: nn.Module, hf_dir: str | os.PathLike, *,
         if ours.startswith("mtp.") and report.missing_mtp:
             continue
         hf = adapter.internal_to_hf(ours)
-        if isinstance(hf, list):
-            first, local = _local_experts(ours, t)
-            targets.update((hf[first + i], local[i]) for i in range(local.shape[0]))
+        if isinstance(hf, list):  # the per-expert HF tensors (DCP loads a row-sharded one's region in place)
+            targets.update((hf[e], local if piece is None else piece) for e, piece, local, _ in _local_experts(ours, t))
         elif hf in meta:
             targets[hf] = t
         elif not (hf == LM_HEAD and args.tie_word_embeddings):  # unreachable once check_hf passed
@@ -302,8 +309,7 @@ def _write_shards(model: nn.Module, m: Glm5Model, adapter: Glm5StateDictAdapter,
             continue
         hf = adapter.internal_to_hf(ours)
         if isinstance(hf, list):
-            first, local = _local_experts(ours, t)
-            parts.update((hf[first + i], (None, local[i], (0, 0))) for i in range(local.shape[0]))
+            parts.update((hf[e], (piece, local, (row, 0))) for e, piece, local, row in _local_experts(ours, t))
         else:
             local, offset = _local(t)
             parts[hf] = (t if isinstance(t, DTensor) else None, local, offset)
