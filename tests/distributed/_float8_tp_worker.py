@@ -55,6 +55,7 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(recipe, {k: f"{v:.1e}" for k, v in errs.items()}, flush=True)
     print(f"rank {dist.get_rank()} OK", flush=True)
+    dist.barrier()  # no rank tears gloo down while the other is still in a collective (an abort at exit, seen once)
     dist.destroy_process_group()
 
 

@@ -15,10 +15,13 @@ Expert sharding (`shard_group`, parallelism.expert_fsdp): the ranks that hold th
 group) each keep 1/edp of every local expert's rows (dim 1 of the [E/ep, out, in] weights), as FSDP2 keeps its
 shards. The op all-gathers the full local experts in x's dtype (forward, and again in backward, as FSDP2's
 reshard-after-forward does), and reduce-scatters the weight gradients in the weights' dtype, scaled by
-`grad_scale`. Inside the op, not as FSDP2 hooks on the experts: hooks inside a block would break its compiled graph.
+`grad_scale`; the gathers are started before the token exchange and the reduce-scatters before the combine, so on
+their own communicator they can overlap it. Inside the op, not as FSDP2 hooks on the experts: hooks inside a block would break its compiled graph.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -67,30 +70,42 @@ class _Plan:
         return out
 
 
-def _gather_rows(w: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """[E, out/n, in] shards of the group's n ranks -> the full [E, out, in] (rank-major along dim 1)."""
+def _gather_rows(w: Tensor, group: dist.ProcessGroup) -> Callable[[], Tensor]:
+    """Start gathering the group's n ranks' [E, out/n, in] shards; the returned call waits and gives the full
+    [E, out, in] (rank-major along dim 1)."""
     n = dist.get_world_size(group)
     out = w.new_empty(n * w.shape[0], *w.shape[1:])  # rank-major along dim 0, as the collective writes it
-    dist.all_gather_into_tensor(out, w.contiguous(), group=group)
-    return out.view(n, *w.shape).movedim(0, 1).reshape(w.shape[0], n * w.shape[1], *w.shape[2:])
+    work = dist.all_gather_into_tensor(out, w.contiguous(), group=group, async_op=True)
+
+    def wait() -> Tensor:
+        work.wait()
+        return out.view(n, *w.shape).movedim(0, 1).reshape(w.shape[0], n * w.shape[1], *w.shape[2:])
+    return wait
 
 
-def _reduce_scatter_rows(g: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """[E, out, in] summed over the group's ranks, each keeping its [E, out/n, in] rows (inverse of _gather_rows)."""
+def _reduce_scatter_rows(g: Tensor, group: dist.ProcessGroup) -> Callable[[], Tensor]:
+    """Start summing [E, out, in] over the group's ranks, each keeping its [E, out/n, in] rows (the inverse of
+    _gather_rows); the returned call waits and gives them."""
     n = dist.get_world_size(group)
     parts = g.reshape(g.shape[0], n, g.shape[1] // n, *g.shape[2:]).movedim(1, 0).contiguous()
     out = g.new_empty(parts.shape[1:])
-    dist.reduce_scatter_tensor(out, parts.flatten(0, 1), group=group)
-    return out
+    work = dist.reduce_scatter_tensor(out, parts.flatten(0, 1), group=group, async_op=True)
+
+    def wait() -> Tensor:
+        work.wait()
+        return out
+    return wait
 
 
-def _full_weights(ws: tuple[Tensor, ...], dtype: torch.dtype, shard_group_name: str) -> list[Tensor]:
-    """The local experts' weights in the compute dtype, gathered over the expert-data group when they are sharded."""
+def _full_weights(ws: tuple[Tensor, ...], dtype: torch.dtype, shard_group_name: str) -> Callable[[], list[Tensor]]:
+    """The local experts' weights in the compute dtype, gathered over the expert-data group when they are sharded.
+    Started at once, waited for by the returned call: the gathers (on their own group) overlap the token exchange."""
     ws = [w.to(dtype) for w in ws]
     if not shard_group_name:
-        return ws
+        return lambda: ws
     group = _group(shard_group_name)
-    return [_gather_rows(w, group) for w in ws]
+    pending = [_gather_rows(w, group) for w in ws]
+    return lambda: [wait() for wait in pending]
 
 
 def _local(x, counts, w_gate, w_up, w_down, swiglu_limit, fp8):
@@ -104,10 +119,11 @@ def _local(x, counts, w_gate, w_up, w_down, swiglu_limit, fp8):
 def ep_swiglu_fwd(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, group_name: str,
                   swiglu_limit: float, fp8: bool, shard_group_name: str, grad_scale: float) -> Tensor:
     """Dispatch -> local experts -> combine; [N, D] -> [N, D] in x's row order."""
-    plan = _Plan(counts, _group(group_name), w_gate.shape[0])
     with torch.no_grad():
-        ws = _full_weights((w_gate, w_up, w_down), x.dtype, shard_group_name)
-        y = _local(plan.dispatch(x), plan.local_counts, *ws, swiglu_limit, fp8)
+        full = _full_weights((w_gate, w_up, w_down), x.dtype, shard_group_name)
+        plan = _Plan(counts, _group(group_name), w_gate.shape[0])
+        xs = plan.dispatch(x)
+        y = _local(xs, plan.local_counts, *full(), swiglu_limit, fp8)
     return plan.combine(y)
 
 
@@ -122,22 +138,26 @@ def ep_swiglu_bwd(dy: Tensor, x: Tensor, counts: Tensor, w_gate: Tensor, w_up: T
                   grad_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, dw_gate, dw_up, dw_down): dispatch x and dy again, differentiate the local experts, combine dx; with
     sharded experts the weight gradients are reduce-scattered over the expert-data group and scaled."""
-    plan = _Plan(counts, _group(group_name), w_gate.shape[0])
-    xs = plan.dispatch(x).detach().requires_grad_(True)
-    dys = plan.dispatch(dy)
     shards = (w_gate, w_up, w_down)
     if shard_group_name:
         with torch.no_grad():
-            ws = [w.requires_grad_(True) for w in _full_weights(shards, x.dtype, shard_group_name)]
+            full = _full_weights(shards, x.dtype, shard_group_name)
+    plan = _Plan(counts, _group(group_name), w_gate.shape[0])
+    xs = plan.dispatch(x).detach().requires_grad_(True)
+    dys = plan.dispatch(dy)
+    if shard_group_name:
+        ws = [w.requires_grad_(True) for w in full()]
     else:
         ws = [w.detach().requires_grad_(True) for w in shards]
     with _autograd_inside_kernel():
         y = _local(xs, plan.local_counts, *ws, swiglu_limit, fp8)
         grads = torch.autograd.grad(y, [xs, *ws], dys.to(y.dtype), allow_unused=True)
     dxs, *dws = (torch.zeros_like(t) if g is None else g for t, g in zip([xs, *ws], grads))
-    if shard_group_name:
+    if shard_group_name:  # the reduce-scatters overlap the combine's all-to-all
         group = _group(shard_group_name)
-        dws = [_reduce_scatter_rows(g.to(w.dtype), group).mul_(grad_scale) for g, w in zip(dws, shards)]
+        pending = [_reduce_scatter_rows(g.to(w.dtype), group) for g, w in zip(dws, shards)]
+        dx = plan.combine(dxs.to(x.dtype))
+        return (dx, *(wait().mul_(grad_scale) for wait in pending))
     return (plan.combine(dxs.to(x.dtype)), *(g.contiguous() for g in dws))
 
 
