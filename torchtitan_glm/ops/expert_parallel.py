@@ -16,7 +16,8 @@ group) each keep 1/edp of every local expert's rows (dim 1 of the [E/ep, out, in
 shards. The op all-gathers the full local experts in x's dtype (forward, and again in backward, as FSDP2's
 reshard-after-forward does), and reduce-scatters the weight gradients in the weights' dtype, scaled by
 `grad_scale`; the gathers are started before the token exchange and the reduce-scatters before the combine, so on
-their own communicator they can overlap it. Inside the op, not as FSDP2 hooks on the experts: hooks inside a block would break its compiled graph.
+their own communicator they can overlap it. Inside the op, not as FSDP2 hooks on the experts: hooks inside a block
+would break its compiled graph.
 """
 
 from __future__ import annotations
