@@ -122,3 +122,35 @@ def test_op_count_independent_of_weights_and_data(block_runs):
     args, kwargs = block_inputs(model, "dsa_moe", seed=7, step=3)
     compiled(*args, **kwargs)
     assert (counter.frame_count, counter.op_count) == (1, expected)
+
+
+def test_dsa_block_with_the_dense_kernel_compiles_whole():
+    """A sparse-stage DSA block whose rows fit dsa_dense_max_len (masked SDPA under the selection's mask) compiles
+    into one graph without breaks, calls no sparse-MLA op and matches eager (outputs, gradients)."""
+    from .builders import SEQLEN, debug_args
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = build_model(seed=0, args=debug_args(dsa_dense_max_len=SEQLEN))
+    block = block_of(model, "dsa_moe")
+    reference = copy.deepcopy(block)
+    inputs = block_inputs(model, "dsa_moe")
+    ref_inputs = clone_inputs(inputs)
+    counter = CompileCounterWithBackend("aot_eager")
+    out = torch.compile(block, fullgraph=True, backend=counter)(*inputs[0], **inputs[1])
+    block_loss(out).backward()
+    ref_out = reference(*ref_inputs[0], **ref_inputs[1])
+    block_loss(ref_out).backward()
+    record = graph_ops.record(counter)
+    assert dict(counters["graph_break"]) == {} and record["graphs"] == 1
+    assert not any("sparse_mla" in op for op in record["ops"]), record["ops"]
+    for i, (got, want) in enumerate(zip(output_tensors(out), output_tensors(ref_out))):
+        if want.is_floating_point():
+            assert_close(got, want, f"output {i}")
+        else:
+            assert torch.equal(got, want)
+    grads, ref_grads = _grads(block, inputs), _grads(reference, ref_inputs)
+    scale = max(g.abs().max().item() for g in ref_grads.values() if g is not None)
+    for key, want in ref_grads.items():
+        assert want is not None and grads[key] is not None, key
+        assert_close(grads[key], want, f"grad {key}", atol=1e-6 * scale)

@@ -143,3 +143,45 @@ def test_selective_checkpoint_keeps_indexer_ops(mode, runs):
     for op in ("sparse_mla_fwd", "kpool_topk", "indexer_kl_sparse"):
         assert rec.calls[op] == runs, (op, dict(rec.calls))
     assert rec.calls["sparse_mla_bwd"] == 1
+
+
+@pytest.mark.parametrize("kl", [None, "sparse", "dense"])
+def test_dense_kernel_at_short_rows_is_the_sparse_function(kl):
+    """Rows of at most dsa_dense_max_len tokens attend the selection through masked SDPA (a [T, T] mask made from
+    the indices): the same output, selection, KL and gradients as the sparse kernel (fp32), and only there."""
+    seqlen = 96
+    doc = _doc(seqlen, bsz=2)
+    x = torch.randn(2, seqlen, 64, dtype=torch.float64).float()
+    results = {}
+    for max_len in (0, seqlen):
+        attn = _attn(seed=3, dsa_dense_max_len=max_len)
+        xi = x.clone().requires_grad_()
+        with LargestTensor() as rec:
+            out, indices, stats = attn(xi, _batch(doc, kl))
+            loss = out.square().mean() + (stats.kl_sum / stats.rows if stats is not None else 0)
+            grads = torch.autograd.grad(loss, [xi, *attn.parameters()], allow_unused=True)
+        assert ("sparse_mla_fwd" in rec.calls) == (max_len == 0), rec.calls
+        results[max_len] = (out, indices, None if stats is None else stats.kl_sum, grads)
+    (out0, idx0, kl0, g0), (out1, idx1, kl1, g1) = results[0], results[seqlen]
+    assert torch.equal(idx0, idx1)
+    torch.testing.assert_close(out1, out0, rtol=1e-5, atol=1e-6)
+    if kl is not None:
+        torch.testing.assert_close(kl1, kl0, rtol=1e-5, atol=1e-7)
+    for a, b in zip(g1, g0):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # one token longer than the bound: the sparse kernel again
+    attn = _attn(seed=3, dsa_dense_max_len=seqlen - 1)
+    with LargestTensor() as rec:
+        attn(x, _batch(doc, kl))
+    assert "sparse_mla_fwd" in rec.calls
+
+
+def test_selection_mask_marks_exactly_the_indices():
+    from torchtitan_glm.models.glm5.dsa import selection_mask
+
+    indices = torch.tensor([[[0, -1, -1], [1, 0, -1], [2, 0, 1]]], dtype=torch.int32)
+    want = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 1, 1]]], dtype=torch.bool)
+    assert torch.equal(selection_mask(indices, 3), want)
+    assert selection_mask(indices, 3).dtype == torch.bool

@@ -210,3 +210,30 @@ def test_layout_overrides_reach_the_trainer_whole():
         run([*ep_config, "--gpus", "4", *layout])
     out = json.loads(run([*ep_config, "--gpus", "4", "--json", *layout, "--parallelism.expert_parallel_degree", "1"]))
     assert out["trainer_accepts"] and out["layout"]["ep"] == 1 and out["layout"]["cp"] == 4
+
+
+@pytest.mark.parametrize("name", ["AdamW", "AdamW8bit", "AdamWFp8"])
+def test_optimizer_state_follows_optimizer_name(name):
+    """The planned optimizer state of one rank is what the trainer's start-up summary counts for that optimizer
+    (both moments; the low-bit ones 1 byte a value plus block scales) plus the step counters; cpu_offload is
+    refused, naming the key."""
+    from torchtitan_glm.components.optimizer import optimizer_state_bytes
+    from torchtitan_glm.planner.core import PlanError, Request, build_inventory, load_request
+    from torchtitan_glm.planner.hardware import H200
+    from torchtitan_glm.planner.layout import resolve_layout
+    from torchtitan_glm.planner.model import build_meta_model
+    from torchtitan_glm.planner.params import STEP_BYTES, state_bytes
+
+    argv = ("--config", "train_configs/glm5_3_flash_proxy.toml", "--optimizer.name", name)
+    cfg, fields, _ = load_request(Request(argv, 1, H200))
+    inv = build_inventory(cfg, scope="train")
+    planned = state_bytes(inv, resolve_layout(fields, gpus=1, config=cfg.parallelism))
+    model, _ = build_meta_model(cfg)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert planned.optimizer == optimizer_state_bytes(model, cfg.optimizer) + STEP_BYTES * len(trainable)
+    elements = sum(p.numel() for p in trainable)
+    per_element = planned.optimizer / elements
+    assert per_element == pytest.approx(8.0 if name == "AdamW" else 2.03, rel=0.01), per_element
+    with pytest.raises(PlanError, match="optimizer.cpu_offload"):
+        build_inventory(load_request(Request((*argv[:2], "--optimizer.cpu_offload", "true"), 1, H200))[0],
+                        scope="train")

@@ -1,7 +1,8 @@
 """The planner's per-GPU peak for the proxy on one H200 within 10% of every measured peak (tests/unit/
 planner_measured_h200.json: scripts/benchmark.py's scopes and the train.py run, with the command and code of each).
-The figures were measured before the sparse DSA path (issue 11) replaced the dense masked attention; the planner
-plans today's code, whose DSA layers keep about as much at T = 4096 (docs/performance.md, planner section)."""
+The earlier figures were measured before the sparse DSA path (issue 11) replaced the dense masked attention (which
+rows of at most model.dsa_dense_max_len tokens run again); those marked "sparse DSA kernel" ran the sparse kernel at
+T = 4096 and are planned with dsa_dense_max_len = 0."""
 
 import json
 from pathlib import Path

@@ -15,7 +15,8 @@ from torch import nn
 
 from torchtitan_glm.config import OptimizerConfig
 
-__all__ = ["split_decay_params", "param_groups", "build_optimizer", "optimizer_state_bytes", "clip_grad_norm_"]
+__all__ = ["split_decay_params", "param_groups", "build_optimizer", "optimizer_state_bytes", "adamw_state_bytes",
+           "clip_grad_norm_"]
 
 # torchao.optim's low-bit AdamW: tensors of at least this many values, in blocks of this many (one FP32 scale per
 # block), are stored quantised (1 byte a value; AdamW8bit adds a 256-entry FP32 code map per state); smaller ones
@@ -117,15 +118,18 @@ def optimizer_state_bytes(model: nn.Module, cfg: OptimizerConfig) -> int:
 
     total = 0
     for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        local = local_shard(p)
-        n = local.numel()
-        if cfg.name != "AdamW" and n >= _LOW_BIT_MIN_NUMEL and n % _LOW_BIT_BLOCK == 0:
-            total += 2 * (n + 4 * n // _LOW_BIT_BLOCK + (_QMAP_BYTES if cfg.name == "AdamW8bit" else 0))
-        else:
-            total += 2 * n * local.element_size()
+        if p.requires_grad:
+            local = local_shard(p)
+            total += adamw_state_bytes(local.numel(), local.element_size(), cfg.name)
     return total
+
+
+def adamw_state_bytes(numel: int, element_size: int, name: str) -> int:
+    """Bytes of both AdamW moments of one local parameter of `numel` elements under optimizer `name` (the
+    planner counts with the same rule)."""
+    if name != "AdamW" and numel >= _LOW_BIT_MIN_NUMEL and numel % _LOW_BIT_BLOCK == 0:
+        return 2 * (numel + 4 * numel // _LOW_BIT_BLOCK + (_QMAP_BYTES if name == "AdamW8bit" else 0))
+    return 2 * numel * element_size
 
 
 @torch.no_grad()

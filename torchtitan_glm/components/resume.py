@@ -12,7 +12,7 @@ from torchtitan_glm.components.lr_scheduler import lr_factor
 __all__ = ["run_info", "resume_mismatches", "schedule_note", "layout_note"]
 
 # Model arguments that follow other settings and may change between stages without changing any parameter.
-_FREE_ARGS = ("dsa_attention",)
+_FREE_ARGS = ("dsa_attention", "dsa_dense_max_len")
 
 
 def run_info(*, cfg: Any, args: Any, tokenizer_vocab_size: int, layout: str | None = None,

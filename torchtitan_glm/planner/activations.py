@@ -150,7 +150,8 @@ def selected_tokens(args: Glm5ModelArgs, keys: int) -> int:
 def _dsa(t: _Terms, regime: str, *, indexer: bool) -> None:
     """The DSA block: q/kv latents, the absorbed sparse MLA (ops/sparse_mla.py) over the indexer's token indices,
     the indexer's tiled top-k and KL (ops/indexer_topk.py, ops/indexer_kl.py: the KL's gradients are formed in the
-    forward and kept). In the dense warm-up stage (`dsa_attention="dense"`) masked SDPA instead.
+    forward and kept). In the dense warm-up stage (`dsa_attention="dense"`), and for rows of at most
+    `dsa_dense_max_len` tokens, masked SDPA instead.
 
     Context parallelism (dsa.py): the latent and the indexer's per-token keys and gate logits are all-gathered over
     the cp ranks (each unshard keeps its [T] int64 zigzag index), the attention keeps the gathered latent, the
@@ -162,7 +163,8 @@ def _dsa(t: _Terms, regime: str, *, indexer: bool) -> None:
     dqk, dv, ql, kvl = args.qk_head_dim, args.v_head_dim, args.q_lora_rank, args.kv_lora_rank
     ih, idim, kp = args.index_n_heads, args.index_head_dim, args.index_kpool
     keys = c.keys
-    sparse = args.dsa_attention == "sparse"
+    sparse = args.dsa_attention == "sparse"  # the indexer selects (token indices exist)
+    dense_kernel = args.dense_dsa_kernel(keys)  # masked SDPA (the dense stage, or rows <= dsa_dense_max_len)
     big_k = selected_tokens(args, keys)
     k_pools = min(args.index_topk // kp, keys // kp)
     kl = indexer and c.collect_stats  # the indexer's KL runs (and keeps its gradients) only in training
@@ -187,12 +189,12 @@ def _dsa(t: _Terms, regime: str, *, indexer: bool) -> None:
     if regime == "selective":  # matmul/bmm outputs and the custom ops' outputs (not recomputable)
         t.tok("mla", (ql + kvl + d) * a)  # q_a, kv_a, o_proj (under CP the gathers are recomputed in the backward)
         t.tok("mla", h * dqk * a, heads=True)  # q_b
-        if sparse:
+        if not dense_kernel:
             t.tok("attention", 2 * h * kvl * a + h * dv * a + 4 * h, heads=True)  # absorbed q, output; w_uv; lse
-            if indexer:
-                t.tok("indexer", 8 * k_pools)  # the selected pool ids
         else:
             t.tok("attention", (h * (dqk + dv) + h * dv) * a + 4 * h, heads=True)  # kv_b, SDPA output, lse
+        if sparse and indexer:
+            t.tok("indexer", 8 * k_pools)  # the selected pool ids
         if kl:
             t.tok("indexer", 2 * idim * a + kl_grads)  # wk and KPool gate outputs; the KL's gradients
             kl_dpk()
@@ -202,8 +204,9 @@ def _dsa(t: _Terms, regime: str, *, indexer: bool) -> None:
         latent(2, "mla")  # kv_a output and its normalised copy (the attention's latent)
         t.tok("mla", h * dqk * a + h * dv * a, heads=True)  # q_b output, o_proj input
         if sparse:
-            t.tok("attention", 2 * h * kvl * a + 4 * h, heads=True)  # absorbed q, output, lse
             t.tok("attention", 4 * big_k)  # int32 token indices
+        if not dense_kernel:
+            t.tok("attention", 2 * h * kvl * a + 4 * h, heads=True)  # absorbed q, output, lse
         else:
             t.tok("attention", (h * (dqk + dv) + h * dv) * a + 4 * h, heads=True)  # kv_b, SDPA output, lse
             t.tok("attention", keys)  # the boolean mask
@@ -217,8 +220,9 @@ def _dsa(t: _Terms, regime: str, *, indexer: bool) -> None:
     t.tok("mla", d * a + (4 * ql + 4 + ql * a) + ql * a + (4 * kvl + 4 + kvl * a))  # input, q_a/kv_a norms, qr
     t.tok("mla", h * dqk * a + h * dv * a, heads=True)  # q_b output (absorption), o_proj input
     if sparse:
-        t.tok("attention", 2 * h * kvl * a + 4 * h, heads=True)
         t.tok("attention", 4 * big_k)  # int32 token indices
+    if not dense_kernel:
+        t.tok("attention", 2 * h * kvl * a + 4 * h, heads=True)
     else:
         t.tok("attention", (h * (dqk + dv) + h * dv) * a + 4 * h, heads=True)
         t.tok("attention", keys * a)  # the float bias
@@ -354,7 +358,7 @@ def forward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: boo
 
 def _dsa_forward_work(ctx: ActContext, *, indexer: bool) -> float:
     args, a = ctx.args, ctx.act
-    if args.dsa_attention == "dense":  # the dense warm-up: causal mask and the float bias made from it
+    if args.dense_dsa_kernel(ctx.keys):  # masked SDPA: its boolean mask and the float bias made from it
         work = _per_token(ctx, ctx.keys * (1 + a))
     else:
         work = 0.0

@@ -196,8 +196,12 @@ def build_inventory(cfg: JobConfig, *, scope: str) -> ModelInventory:
     args = build_model_args(cfg)
     if scope == "bench_reference":
         args = args.replace(num_nextn_predict_layers=0)
+    if cfg.optimizer.cpu_offload:
+        raise PlanError("optimizer.cpu_offload: the planner does not model host-resident parameters, gradients and "
+                        "optimizer states; plan without it")
     model, line = build_meta_model(cfg, args=args)
-    return inventory(model, line, recipe=cfg.float8.recipe if cfg.float8.enable else None)
+    inv = inventory(model, line, recipe=cfg.float8.recipe if cfg.float8.enable else None)
+    return dataclasses.replace(inv, optimizer=cfg.optimizer.name)
 
 
 def plan_layout(request: Request, cfg: JobConfig, inv: ModelInventory, layout: Layout, verdict: Verdict,

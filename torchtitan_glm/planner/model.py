@@ -63,6 +63,7 @@ class ModelInventory:
     fp8_recipe: str | None
     dense_fp8_fraction: float  # of the dense projections' weight elements, those Float8Linear converts
     dense_tp_fraction: float  # of the dense projections' weight elements, those tensor parallelism splits
+    optimizer: str = "AdamW"  # optimizer.name: AdamW keeps both moments in the parameters' dtype, the low-bit ones 1 B
 
     @property
     def params(self) -> list[Param]:

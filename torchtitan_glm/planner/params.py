@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchtitan_glm.components.optimizer import adamw_state_bytes
+
 from .layout import Layout
 from .model import ModelInventory, Param, Unit
 
@@ -87,7 +89,8 @@ class StateBytes:
 
 
 def state_bytes(inv: ModelInventory, layout: Layout, *, rank: int = 0) -> StateBytes:
-    """What one rank of the trainer holds after an optimizer step (AdamW, two states in the parameters' dtype)."""
+    """What one rank of the trainer holds after an optimizer step (AdamW: two states in the parameters' dtype; the
+    low-bit AdamWs: 1 byte a value plus block scales, as components/optimizer.py counts them)."""
     params = grads = opt = rp = rg = ro = tensors = 0
     for p in inv.params:
         s = shard_of(p, layout, rank=rank)
@@ -100,7 +103,7 @@ def state_bytes(inv: ModelInventory, layout: Layout, *, rank: int = 0) -> StateB
             continue
         tensors += 1
         g = pb
-        o = 2 * s.local * p.dtype_bytes + STEP_BYTES
+        o = adamw_state_bytes(s.local, p.dtype_bytes, inv.optimizer) + STEP_BYTES
         grads += g
         opt += o
         if kept_out:

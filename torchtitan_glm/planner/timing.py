@@ -86,10 +86,10 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
     big_k = selected_tokens(args, seq)
     k_pools = min(args.index_topk // kp, seq // kp)
     pools = seq // kp
-    if args.dsa_attention == "sparse":  # absorbed MLA over K gathered latents: QK and PV both kv_lora_rank wide
+    if not args.dense_dsa_kernel(seq):  # absorbed MLA over K gathered latents: QK and PV both kv_lora_rank wide
         attn_fwd = 2.0 * tokens * big_k * h / tp * 2 * kvl
         out["dsa_attention"] = len(dsa) * attn_fwd * (3.5 + recompute_fwd) / gpu.attention_sparse
-    else:  # dense warm-up: masked SDPA over every key of the row
+    else:  # masked SDPA over every key of the row (dense warm-up, or rows <= dsa_dense_max_len)
         attn_fwd = 2.0 * tokens * seq * h / tp * (dqk + dv)
         out["dsa_attention"] = len(dsa) * attn_fwd * (3.5 + recompute_fwd) / gpu.attention_masked
     # the indexer's tiled FP32 ops (causal: on average half the pools / keys of the row), recomputed under full AC

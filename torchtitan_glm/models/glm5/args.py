@@ -18,7 +18,8 @@ _INDEXER_TYPES = {"full", "shared"}
 
 # Glm5ModelArgs fields that are trainer-side choices, never written to or read from config.json.
 TRAINER_FIELDS = ("hc_head", "dsa_attention", "indexer_fp8_emulation", "mhc_fp32_mixing", "kpool_fp32_accumulate",
-                  "indexer_weights_fp32", "indexer_k_norm_fp32", "kpool_ape_trainable", "indexer_tile_elements")
+                  "indexer_weights_fp32", "indexer_k_norm_fp32", "kpool_ape_trainable", "indexer_tile_elements",
+                  "dsa_dense_max_len")
 
 
 class ModelArgsError(ValueError):
@@ -105,6 +106,16 @@ class Glm5ModelArgs:
     kpool_ape_trainable: bool = True  # KPool APE receives gradients (the PR freezes it)
     # Elements one working tensor of the DSA indexer's tiled top-k and KL may hold (loss.indexer_tile_elements).
     indexer_tile_elements: int = 1 << 26
+    # Sparse stage, rows of at most this many tokens (the whole row under context parallelism): the selected set
+    # is attended with dense masked SDPA under a [T, T] mask made from the indices, not the gathered sparse kernel.
+    # The same function; at short T the dense kernel is faster (H200, one proxy DSA layer fwd+bwd: 0.55x the sparse
+    # op's time at T = 4,096, 1.04x at 8,192; docs/performance.md). 0: always the sparse kernel.
+    dsa_dense_max_len: int = 0
+
+    def dense_dsa_kernel(self, seq_len: int) -> bool:
+        """Whether DSA attention over rows of `seq_len` tokens runs dense masked SDPA (the dense warm-up stage, or
+        a sparse-stage row no longer than dsa_dense_max_len)."""
+        return self.dsa_attention == "dense" or seq_len <= self.dsa_dense_max_len
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -195,6 +206,8 @@ class Glm5ModelArgs:
                  f"{self.index_head_dim}")
         if self.indexer_tile_elements < 1:
             fail("indexer_tile_elements", f"must be >= 1, got {self.indexer_tile_elements}")
+        if self.dsa_dense_max_len < 0:
+            fail("dsa_dense_max_len", f"must be >= 0 (0: always the sparse kernel), got {self.dsa_dense_max_len}")
         if self.hc_head not in ("mean", "learned"):
             fail("hc_head", f"must be 'mean' or 'learned', got {self.hc_head!r}")
         if self.dsa_attention not in ("sparse", "dense"):
@@ -267,12 +280,21 @@ def _debug() -> Glm5ModelArgs:
     )
 
 
+# The real head shapes' crossover between dense masked SDPA and the sparse kernel on the H200 lies between
+# T = 4,096 (dense 0.55x the sparse time) and 8,192 (1.04x): rows up to 6,144 tokens take the dense kernel.
+_DENSE_DSA_MAX_LEN = 6144
+
+
+def _full() -> Glm5ModelArgs:
+    return Glm5ModelArgs(dsa_dense_max_len=_DENSE_DSA_MAX_LEN)
+
+
 def _proxy() -> Glm5ModelArgs:
     # One-H200 proxy of measured_h200.md: real head shapes, 8 layers (2 DSA), 32 experts.
-    return Glm5ModelArgs(num_hidden_layers=8, n_routed_experts=32)
+    return Glm5ModelArgs(num_hidden_layers=8, n_routed_experts=32, dsa_dense_max_len=_DENSE_DSA_MAX_LEN)
 
 
-FLAVORS = {"debug": _debug, "glm5_3_flash": Glm5ModelArgs, "glm5_3_flash_proxy": _proxy}
+FLAVORS = {"debug": _debug, "glm5_3_flash": _full, "glm5_3_flash_proxy": _proxy}
 
 
 def get_flavor(name: str) -> Glm5ModelArgs:

@@ -8,7 +8,8 @@ selection and KL loss in query tiles (ops/indexer_topk.py, ops/indexer_kl.py): m
 inputs are detached: it learns only from its KL loss, computed inside the layer, never from the LM loss.
 
 The dense warm-up (dsa_attention="dense") keeps expanded SDPA under the dense [B, T, T] causal-document mask
-(ops/masked_attention.py): quadratic in T, for a short stage; its KL target is computed in query tiles.
+(ops/masked_attention.py): quadratic in T, for a short stage; its KL target is computed in query tiles. Sparse-stage
+rows of at most dsa_dense_max_len tokens run that dense kernel under the selection's own mask (faster at short T).
 """
 
 from __future__ import annotations
@@ -90,6 +91,13 @@ def _cp_causal_doc_mask(doc: DocLayout, full_doc: DocLayout, positions: torch.Te
     keys = torch.arange(full_doc.pos.shape[1], device=positions.device)
     causal = keys[None, None, :] <= positions.to(keys.device)[:, :, None]
     return causal & (doc.key[:, :, None] == full_doc.key[:, None, :])
+
+
+def selection_mask(indices: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[B, T, num_keys] boolean mask of a [B, T, K] token selection (-1 = none)."""
+    slots = indices.masked_fill(indices < 0, num_keys).long()
+    hit = torch.zeros(*indices.shape[:2], num_keys + 1, dtype=torch.bool, device=indices.device)
+    return hit.scatter_(2, slots, True)[..., :num_keys]
 
 
 def causal_doc_mask(doc: DocLayout) -> torch.Tensor:
@@ -304,6 +312,7 @@ class SparseMLA(nn.Module):
         self.kv_lora_rank = args.kv_lora_rank
         self.scale = args.qk_head_dim**-0.5
         self.dense = args.dsa_attention == "dense"
+        self.dense_dsa_kernel = args.dense_dsa_kernel
         self.init_std = args.initializer_range
         bias = args.attention_bias
         self.q_a_proj = nn.Linear(d, args.q_lora_rank, bias=bias)
@@ -337,11 +346,13 @@ class SparseMLA(nn.Module):
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)[..., : self.kv_lora_rank])  # [B, T, R]
         w_kv = local_param(self.kv_b_proj.weight).unflatten(0, (-1, self.qk_dim + self.v_dim))
         w_uk, w_uv = w_kv.split([self.qk_dim, self.v_dim], 1)
-        q_lat = torch.einsum("bthd,hdr->bthr", q, w_uk) if not self.dense or indexer_kl else None  # absorbed query
         # Context parallelism: this rank's queries attend the whole rows, so the latent (and, in the indexer, the
         # keys and their pooling gates) are all-gathered; pools and documents are those of the whole rows.
         gather = None if cp is None else (lambda t: cp.layout.unshard(t, group=cp.group))
         full_doc = doc if cp is None else cp.full_doc
+        dense_kernel = self.dense_dsa_kernel(full_doc.pos.shape[1])  # static: the row length
+        # the absorbed query: the sparse kernel's, and the indexer KL's target
+        q_lat = torch.einsum("bthd,hdr->bthr", q, w_uk) if not dense_kernel or indexer_kl else None
         latent_all = latent if gather is None else gather(latent)
 
         indices, stats = shared_indices, None
@@ -379,12 +390,14 @@ class SparseMLA(nn.Module):
             elif kl_parts:
                 stats = IndexerStats(sum(k.kl_sum for k in kl_parts), sum(k.rows for k in kl_parts))
 
-        if self.dense:
+        if dense_kernel:
             kv = self.kv_b_proj(latent_all).unflatten(-1, (-1, self.qk_dim + self.v_dim)).transpose(1, 2)
             k, v = kv.split([self.qk_dim, self.v_dim], dim=-1)
-            mask = causal_doc_mask(doc) if cp is None else _cp_causal_doc_mask(doc, full_doc, cp.positions)
+            if self.dense:
+                mask = causal_doc_mask(doc) if cp is None else _cp_causal_doc_mask(doc, full_doc, cp.positions)
+            else:  # the selected set as a mask: the same function as the sparse kernel, at dense cost
+                mask = selection_mask(indices, full_doc.pos.shape[1])
             out = masked_attention(q.transpose(1, 2), k, v, mask, scale=self.scale).transpose(1, 2)
-            indices = None
         else:
             if self.heads_group is not None:  # the latent is replicated; each TP rank's heads add to its gradient
                 latent_all = sum_grad_over(latent_all, group=self.heads_group)
