@@ -72,15 +72,17 @@ def layer_variants(seqlen: int, device: str = "cuda", flavor: str = "glm5_3_flas
     from torchtitan_glm.models.glm5.dsa import DocLayout, SparseMLA
     from torchtitan_glm.models.glm5.seqinfo import doc_positions
 
-    args = get_flavor(flavor).replace(indexer_tile_elements=1 << 28)
+    args = get_flavor(flavor).replace(indexer_tile_elements=1 << 28, dsa_dense_max_len=0)
     doc = DocLayout(*doc_positions(None, 1, seqlen, torch.device(device)))
     x = torch.randn(1, seqlen, args.hidden_size, device=device, dtype=dtype, requires_grad=True)
     out = {}
-    for name, stage, kl in (("SparseMLA block, sparse + sparse KL", "sparse", "sparse"),
-                            ("SparseMLA block, sparse, no KL", "sparse", None),
-                            ("SparseMLA block, dense warm-up + dense KL", "dense", "dense")):
+    for name, stage, kl, dense_max in (("SparseMLA block, sparse + sparse KL", "sparse", "sparse", 0),
+                                       ("SparseMLA block, sparse, no KL", "sparse", None, 0),
+                                       ("SparseMLA block, selection as a [T, T] mask (dsa_dense_max_len), no KL",
+                                        "sparse", None, seqlen),
+                                       ("SparseMLA block, dense warm-up + dense KL", "dense", "dense", 0)):
         with torch.device(device):
-            block = SparseMLA(args.replace(dsa_attention=stage))
+            block = SparseMLA(args.replace(dsa_attention=stage, dsa_dense_max_len=dense_max))
             block.init_weights()
         block.to(dtype)
 

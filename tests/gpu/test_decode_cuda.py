@@ -79,19 +79,30 @@ def test_triton_sparse_mla_reads_a_longer_latent_cache():
 @torch.no_grad()
 def test_debug_model_decode_matches_forward_on_cuda():
     """The debug model on the GPU (FLA prefill + recurrent steps, Triton sparse MLA): decode logits vs the packed
-    training forward, FP32 (kernel rounding only) and BF16 (log-prob Pearson, as scripts/rollout_agreement.py)."""
+    training forward, FP32 and BF16.
+
+    FLA's kernels compute FP32 through TF32 (about 1e-3 relative), enough to flip a near-tied discrete choice (an
+    expert of the top-k routing, a pool of the indexer's top-k) at some position, after which that position and the
+    ones that read its state differ by O(1): on the H200 (2026-12-03) the FP32 comparison with top-2 routing and
+    index_topk = 8 failed at max relative error 0.33, with ~1e-3 elsewhere; on CPU, 1e-3 relative noise on the KDA
+    outputs reproduces it (0.32-0.48) and gives 3.9e-3 once no choice is discrete. So the FP32 comparison takes
+    every expert and every pool (the kernels' numerics alone), and the discrete choices are checked by the BF16
+    log-prob Pearson (statistical, as scripts/rollout_agreement.py reports it); CPU tests compare them exactly."""
     from tests.decode_util import decoded_logits, max_rel_err, packed_logits, random_docs, randomize
     from torchtitan_glm.models.glm5 import Glm5Model, get_flavor
     from torchtitan_glm.models.glm5.hf_io import _cast_for_load
 
-    torch.manual_seed(0)
-    args = get_flavor("debug").replace(index_topk=8, num_nextn_predict_layers=0)
-    model = randomize(Glm5Model(args), seed=1).eval()
-    docs = random_docs([70, 33, 9, 48], args.vocab_size, seed=2)
+    docs = random_docs([70, 33, 9, 48], 512, seed=2)
     prefill_lengths = [1, 4, 7, 30]
-    model = model.to(DEV)
     docs = [d.to(DEV) for d in docs]
-    assert max_rel_err(decoded_logits(model, docs, prefill_lengths), packed_logits(model, docs)) < 2e-3
+    base = get_flavor("debug").replace(num_nextn_predict_layers=0)
+    no_choice = base.replace(index_topk=128, num_experts_per_tok=base.n_routed_experts)
+    torch.manual_seed(0)
+    model = randomize(Glm5Model(no_choice), seed=1).eval().to(DEV)
+    err = max_rel_err(decoded_logits(model, docs, prefill_lengths), packed_logits(model, docs))
+    assert err < 5e-3, err
+
+    model = randomize(Glm5Model(base.replace(index_topk=8)), seed=1).eval().to(DEV)
     _cast_for_load(model, torch.bfloat16)  # FP32-kept modules stay FP32, as from_pretrained leaves them
     got = torch.cat([x.float().log_softmax(-1) for x in decoded_logits(model, docs, prefill_lengths)])
     want = torch.cat([x.float().log_softmax(-1) for x in packed_logits(model, docs)])
