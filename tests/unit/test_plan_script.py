@@ -235,5 +235,5 @@ def test_optimizer_state_follows_optimizer_name(name):
     per_element = planned.optimizer / elements
     assert per_element == pytest.approx(8.0 if name == "AdamW" else 2.03, rel=0.01), per_element
     with pytest.raises(PlanError, match="optimizer.cpu_offload"):
-        build_inventory(load_request(Request((*argv[:2], "--optimizer.cpu_offload", "true"), 1, H200))[0],
-                        scope="train")
+        offload = (*argv[:2], "--optimizer.name", "AdamW", "--optimizer.cpu_offload", "true")
+        build_inventory(load_request(Request(offload, 1, H200))[0], scope="train")
