@@ -25,7 +25,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
     torch.manual_seed(0)
-    model = Glm5Model(get_flavor("debug"))  # fp32, replicated: the test sums the ranks' gradients itself
+    args = get_flavor("debug")
+    if "dense_dsa" in sys.argv:  # the selection attended through masked SDPA: rows <= dsa_dense_max_len
+        args = args.replace(dsa_dense_max_len=1 << 20)
+    model = Glm5Model(args)  # fp32, replicated: the test sums the ranks' gradients itself
     ref = copy.deepcopy(model)
     bsz, seqlen = 2, 64
     gen = torch.Generator().manual_seed(5)

@@ -73,6 +73,8 @@ def main() -> None:
                             tensor_parallel_degree=tp, expert_parallel_degree=ep)
     dims = ParallelDims.from_config(cfg, world_size=dist.get_world_size())
     args = get_flavor("debug")
+    if "dense_dsa" in sys.argv:  # the DSA selection attended through masked SDPA (rows <= dsa_dense_max_len)
+        args = args.replace(dsa_dense_max_len=T)
     validate_model_layout(dims, args, seq_len=T, expert_fsdp=expert_fsdp)
     meshes = dims.build_mesh("cpu")
     dp_rank, dp_cp = meshes["dp"].get_local_rank(), meshes["dp_cp"].get_group()

@@ -13,10 +13,12 @@ from .test_train import _free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("nproc,kl", [(2, "dense"), (4, "sparse")])
-def test_context_parallel_model_equals_one_process(nproc, kl):
+@pytest.mark.parametrize("nproc,kl,kernel", [(2, "dense", "sparse"), (4, "sparse", "sparse"), (2, "sparse", "dense_dsa")])
+def test_context_parallel_model_equals_one_process(nproc, kl, kernel):
+    """kernel dense_dsa: the DSA selection through masked SDPA (model.dsa_dense_max_len), each rank's mask
+    [B, T / cp, T] scattered from its queries' indices over the whole rows."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}",
-           str(Path(__file__).with_name("_cp_model_worker.py")), kl]
+           str(Path(__file__).with_name("_cp_model_worker.py")), kl, kernel]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", OMP_NUM_THREADS="1"))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-6000:]

@@ -25,6 +25,7 @@ SLOW = pytest.mark.slow
 LAYOUTS = [  # nproc, worker args: dp_shard tp ep [dp_replicate] [compile]
     pytest.param(2, ("2", "1", "1"), id="fsdp"),
     pytest.param(2, ("1", "2", "1"), id="tp"),
+    pytest.param(2, ("1", "2", "1", "dense_dsa"), id="tp_dense_dsa_kernel"),
     pytest.param(2, ("2", "1", "2"), id="ep"),
     pytest.param(4, ("2", "2", "1"), id="fsdp_tp"),
     pytest.param(4, ("4", "1", "2"), id="fsdp_ep", marks=SLOW),  # whole experts (expert_fsdp off); CI time
