@@ -250,11 +250,18 @@ class Trainer:
 
     def _optimizer_step(self, pending: PendingStep, moe_stats: list) -> None:
         """The update, the FP8 scales and the router biases, none of it where the step is not finite: decided on the
-        device (fused AdamW's found_inf), else from the one flag read now (see components/step_stats.py)."""
+        device (fused AdamW's found_inf), else from the one flag read now (see components/step_stats.py) under
+        training.on_nonfinite = "skip". Under "stop" the update is not held back: the run stops at the step's first
+        read, which comes before any checkpoint or export, so a non-finite update is never saved and the step needs
+        no host sync."""
         if self.device_skip:
             optimizer_step(self.optimizer, found_inf=pending.bad)
             precompute_float8_scales(self.model, cfg=self.cfg.float8)  # same weights, same scales when skipped
             apply: torch.Tensor | bool = 1.0 - pending.bad
+        elif self.cfg.training.on_nonfinite == "stop":
+            self.optimizer.step()
+            precompute_float8_scales(self.model, cfg=self.cfg.float8)
+            apply = True
         else:
             apply = self.stats.flag_now(pending)
             if apply:

@@ -56,21 +56,26 @@ def test_fused_adamw_training_reads_nothing_from_the_device(tmp_path, world_of_o
     assert not trainer.stats.pending, "every step was resolved by the end"
 
 
-def test_other_optimizers_read_one_flag_per_step(tmp_path, world_of_one):
-    """foreach AdamW has no found_inf: each step reads exactly the one non-finite flag, and nothing else that
-    lives on the device (its step counters stay on the host and are exempt)."""
-    trainer = _trainer(tmp_path, "--training.steps", "3", "--metrics.log_freq", "3",
-                       "--optimizer.implementation", "foreach")
-    assert not trainer.device_skip
+def test_other_optimizers_read_one_flag_per_step_only_to_skip(tmp_path, world_of_one):
+    """foreach AdamW has no found_inf. Under on_nonfinite = "skip" each step reads exactly the one non-finite flag,
+    and nothing else that lives on the device (its step counters stay on the host and are exempt); under "stop" (the
+    run ends at the step's first read, before any save) no step reads anything."""
+    for policy, flag_steps in (("skip", [1, 2, 3]), ("stop", [])):
+        trainer = _trainer(tmp_path / policy, "--training.steps", "3", "--metrics.log_freq", "3",
+                           "--optimizer.implementation", "foreach", "--training.on_nonfinite", policy)
+        assert not trainer.device_skip
 
-    def step_counter(t: torch.Tensor) -> bool:
-        return any(t is s.get("step") for s in trainer.optimizer.state.values())
+        def step_counter(t: torch.Tensor, trainer=trainer) -> bool:
+            return any(t is s.get("step") for s in trainer.optimizer.state.values())
 
-    with SyncRecorder(step=lambda: trainer.step, exempt=step_counter) as rec:
-        trainer.train()
-    assert [(s.step, s.where) for s in rec.syncs] == [(n, rec.syncs[0].where) for n in (1, 2, 3)], \
-        _describe(rec.syncs)
-    assert rec.syncs[0].where.startswith("components/step_stats.py")
+        with SyncRecorder(step=lambda trainer=trainer: trainer.step, exempt=step_counter) as rec:
+            losses = trainer.train()
+        assert len(losses) == 3
+        assert [s.step for s in rec.syncs] == flag_steps, (policy, _describe(rec.syncs))
+        assert all(s.where.startswith("components/step_stats.py") for s in rec.syncs), _describe(rec.syncs)
+        trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_statistics_are_read_one_step_late_outside_log_steps(tmp_path, world_of_one):
