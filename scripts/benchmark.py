@@ -191,17 +191,20 @@ def run_transformers(*, args: Glm5ModelArgs, flavor: str, seq_len: int, batch: i
     return row, weights
 
 
-def model_args(flavor: str, *, scope: str, tile_elements: int) -> Glm5ModelArgs:
+def model_args(flavor: str, *, scope: str, tile_elements: int, dsa_dense_max_len: int | None = None) -> Glm5ModelArgs:
     args = get_flavor(flavor).replace(indexer_tile_elements=tile_elements)
+    if dsa_dense_max_len is not None:
+        args = args.replace(dsa_dense_max_len=dsa_dense_max_len)
     return args if scope == "train" else dataclasses.replace(args, num_nextn_predict_layers=0)
 
 
 def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, steps: int, warmup: int,
             device: torch.device, dtype: torch.dtype, backend: str, scope: str, profile: bool, indexer_kl: str,
             docs: int, tile_elements: int, float8: str | None = None,
-            weights: dict[str, torch.Tensor] | None = None, recompute_modules: tuple[str, ...] = ()) -> dict:
+            weights: dict[str, torch.Tensor] | None = None, recompute_modules: tuple[str, ...] = (),
+            dsa_dense_max_len: int | None = None) -> dict:
     """One timed run of this repo's model; from `weights` (our names) when given, else from its own init."""
-    args = model_args(flavor, scope=scope, tile_elements=tile_elements)
+    args = model_args(flavor, scope=scope, tile_elements=tile_elements, dsa_dense_max_len=dsa_dense_max_len)
     train_scope = scope == "train"
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -250,7 +253,7 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
                   step_ms=round(timed["step_s"] * 1e3, 2), tokens_per_s=round(tps, 1),
                   peak_mem_gib=round(timed["peak"], 4), warmup_s=round(timed["warmup_s"], 1),
                   tflops=round(tps * flops_per_token(args, seq_len) / 1e12, 1), loss=timed["loss"],
-                  tokens_sha1=digest(tokens))
+                  tokens_sha1=digest(tokens), dsa_dense_max_len=args.dsa_dense_max_len)
     del model
     gc.collect()
     if device.type == "cuda":
@@ -293,6 +296,9 @@ def main() -> None:
                    help="the trainer's default (loss.indexer_sparse_loss = false) is dense")
     p.add_argument("--indexer-tile-elements", type=int, default=0,
                    help="loss.indexer_tile_elements (default: 2^28 on CUDA, 2^26 on CPU)")
+    p.add_argument("--dsa-dense-max-len", default="",
+                   help="model.dsa_dense_max_len, comma-separated to time each (default: the flavor's); e.g. 0,6144 "
+                        "times the sparse kernel and the short-row dense kernel side by side")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--out", default="")
     a = p.parse_args()
@@ -307,6 +313,10 @@ def main() -> None:
     if unknown:
         p.error(f"--recompute-modules: unknown {sorted(unknown)}; choose from {list(RECOMPUTE_MODULES)}")
     seq_lens = SWEEP if a.seq_len == "sweep" else tuple(int(t) for t in a.seq_len.split(","))
+    try:
+        dense_max_lens = tuple(int(v) for v in a.dsa_dense_max_len.split(",")) if a.dsa_dense_max_len else (None,)
+    except ValueError:
+        p.error(f"--dsa-dense-max-len: comma-separated integers, got {a.dsa_dense_max_len!r}")
     if not torch.cuda.is_available() and a.flavor != "debug":
         print(f"benchmark.py: flavor {a.flavor!r} needs a CUDA GPU and none is visible (the debug flavor runs on CPU).",
               file=sys.stderr)
@@ -337,7 +347,7 @@ def main() -> None:
                 gc.collect()
                 torch.cuda.empty_cache()
             emit(reference)
-        for spec in a.runs.split(","):
+        for spec, dense_max in ((spec, dm) for dm in dense_max_lens for spec in a.runs.split(",")):
             mode, ac, *fp8 = spec.split(":")
             ac = auto_ac(seq_len) if ac == "auto" else ac
             try:
@@ -345,7 +355,7 @@ def main() -> None:
                             steps=a.steps, warmup=a.warmup, device=device, dtype=getattr(torch, a.dtype),
                             backend=a.backend, scope=a.scope, profile=a.profile, indexer_kl=a.indexer_kl, docs=a.docs,
                             tile_elements=tile_elements, float8=a.float8_recipe if fp8 == ["fp8"] else None,
-                            weights=weights, recompute_modules=recompute)
+                            weights=weights, recompute_modules=recompute, dsa_dense_max_len=dense_max)
             except torch.cuda.OutOfMemoryError as e:
                 r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=ac,
                          float8=a.float8_recipe if fp8 == ["fp8"] else "off", oom=str(e).split(".")[0])
@@ -361,17 +371,18 @@ def main() -> None:
     kl = f", indexer KL {a.indexer_kl}, indexer tiles of {tile_elements} elements" if a.scope == "train" else ""
     print(f"scope: {a.scope}{kl}, {a.docs} document(s) per row\n")
     vs = " | speed / memory vs transformers" if a.against else ""
-    print(f"| T | mode | AC | float8 | step ms | tokens/s | TFLOP/s | peak GiB | warm-up s | loss{vs} |\n"
-          "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if a.against else ""))
+    print(f"| T | mode | AC | float8 | DSA dense max | step ms | tokens/s | TFLOP/s | peak GiB | warm-up s | loss{vs} |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if a.against else ""))
     for r in rows:
+        dense_max = r.get("dsa_dense_max_len", "")
         if "oom" in r:
-            print(f"| {r['seq_len']:,} | {r['mode']} | {r['ac']} | {r['float8']} | OOM | | | | | |"
+            print(f"| {r['seq_len']:,} | {r['mode']} | {r['ac']} | {r['float8']} | {dense_max} | OOM | | | | | |"
                   + (" |" if a.against else ""))
             continue
         ratio = ""
         if a.against:
             ratio = f" {r['speed_ratio']}x, {r['memory_ratio']}x |" if "speed_ratio" in r else " |"
-        print(f"| {r['seq_len']:,} | {r['mode']} | {r['ac']} | {r['float8']} | {r['step_ms']} | "
+        print(f"| {r['seq_len']:,} | {r['mode']} | {r['ac']} | {r['float8']} | {dense_max} | {r['step_ms']} | "
               f"{r['tokens_per_s']:,.0f} | {r['tflops']} | {r['peak_mem_gib']} | {r['warmup_s']} | "
               f"{r['loss']:.6g} |{ratio}")
 

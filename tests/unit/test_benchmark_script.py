@@ -20,14 +20,17 @@ def test_benchmark_script_writes_one_row_per_run(tmp_path, scope):
     proc = subprocess.run(
         [sys.executable, "scripts/benchmark.py", "--flavor", "debug", "--seq-len", "64", "--steps", "1",
          "--warmup", "1", "--runs", "eager:none,eager:selective:fp8", "--scope", scope, "--out", str(out),
-         "--recompute-modules", "kda,mhc"],
+         "--recompute-modules", "kda,mhc", "--dsa-dense-max-len", "0,64", "--dtype", "float32"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": str(REPO), "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert [(r["mode"], r["ac"], r["scope"], r["float8"]) for r in rows] == [
-        ("eager", "none", scope, "off"), ("eager", "selective+kda+mhc", scope, "tensorwise")]
+    assert [(r["mode"], r["ac"], r["scope"], r["float8"], r["dsa_dense_max_len"]) for r in rows] == [
+        ("eager", "none", scope, "off", 0), ("eager", "selective+kda+mhc", scope, "tensorwise", 0),
+        ("eager", "none", scope, "off", 64), ("eager", "selective+kda+mhc", scope, "tensorwise", 64)]
     assert all(r["tokens_per_s"] > 0 and r["step_ms"] > 0 for r in rows)
+    # the short-row dense kernel computes the sparse kernel's function: the same loss at init (fp32)
+    assert rows[2]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-5)
     assert f"scope: {scope}" in proc.stdout
 
 
