@@ -25,7 +25,7 @@ class GpuSpec:
     fp8_speedup_rowwise: float
     gemm_fp32: float  # measured FP32 (SIMT) GEMM: the indexer scores and KL target run in FP32
     attention_masked: float  # measured dense masked attention (cuDNN, boolean mask), FLOP/s over all T x T pairs
-    attention_sparse: float  # assumption: the sparse absorbed-MLA Triton kernels (not timed on this GPU yet)
+    attention_sparse: float  # measured: the sparse absorbed-MLA Triton kernels, FLOP/s over the T x K gathered pairs
     kda_fwd_bwd_s_per_token_head: float  # measured FLA chunk_kda forward + backward
     kda_fwd_s_per_token_head: float  # measured FLA chunk_kda forward alone
     fused_ce_s_per_token: float  # measured fused LM-head CE forward + backward, D=4096, vocab=154880
@@ -47,11 +47,11 @@ class GpuSpec:
             f"measured: BF16 GEMM {self.gemm_bf16 / 1e12:.0f} TFLOP/s, MoE grouped GEMM "
             f"{self.gemm_grouped_bf16 / 1e12:.0f} TFLOP/s, FP8 speed-up x{self.fp8_speedup_tensorwise} tensorwise / "
             f"x{self.fp8_speedup_rowwise} rowwise, FP32 GEMM {self.gemm_fp32 / 1e12:.0f} TFLOP/s, masked attention "
-            f"{self.attention_masked / 1e12:.0f} TFLOP/s (all T x T pairs), FLA KDA "
+            f"{self.attention_masked / 1e12:.0f} TFLOP/s (all T x T pairs), sparse DSA attention "
+            f"{self.attention_sparse / 1e12:.0f} TFLOP/s (T x K gathered pairs), FLA KDA "
             f"{self.kda_fwd_bwd_s_per_token_head * 1e9:.1f} ns per token-head fwd+bwd, fused CE "
             f"{self.fused_ce_s_per_token * 1e6:.2f} us per token, HBM {self.hbm_bandwidth / 1e12:.1f} TB/s",
-            f"assumed: sparse DSA attention {self.attention_sparse / 1e12:.0f} TFLOP/s (not timed on the GPU yet); "
-            f"network: {self.gpus_per_node} GPUs per node, NVLink bus bandwidth {self.nvlink_busbw / g:.0f} "
+            f"assumed: network: {self.gpus_per_node} GPUs per node, NVLink bus bandwidth {self.nvlink_busbw / g:.0f} "
             f"GB/s, InfiniBand {self.ib_busbw / g:.0f} GB/s per GPU, all-to-all at {self.a2a_efficiency:.0%} of "
             f"those, {self.collective_latency_s * 1e6:.0f} us per collective",
         ]
@@ -72,9 +72,10 @@ H200 = GpuSpec(
     fp8_speedup_rowwise=1.31,
     gemm_fp32=53e12,
     attention_masked=199e12,
-    # Unmeasured: half of the measured causal FlashAttention rate (SDPA fwd+bwd, T=32768, 32 heads x 128: 7 x T^2 x
-    # H x d / 2 = 30.8 TFLOP in 57.3 ms = 537 TFLOP/s); scripts/bench_dsa.py measures it.
-    attention_sparse=270e12,
+    # scripts/bench_dsa.py, one proxy DSA layer's sparse op fwd+bwd (docs/performance.md, 2026-12-03): 3.5 x 2 x T x
+    # K x 64 heads x 2 x 512 FLOP with K = 2,051 in 290.0 ms at T = 32,768 (106 TFLOP/s), 64.4 ms at 8,192 (120),
+    # 32.1 ms at 4,096 (120). Before it was timed the planner assumed 270 TFLOP/s.
+    attention_sparse=115e12,
     kda_fwd_bwd_s_per_token_head=21.8e-3 / (32768 * 32),
     kda_fwd_s_per_token_head=4.34e-3 / (32768 * 32),
     fused_ce_s_per_token=39.2e-3 / 4096,
