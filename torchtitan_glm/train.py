@@ -258,12 +258,8 @@ class Trainer:
             optimizer_step(self.optimizer, found_inf=pending.bad)
             precompute_float8_scales(self.model, cfg=self.cfg.float8)  # same weights, same scales when skipped
             apply: torch.Tensor | bool = 1.0 - pending.bad
-        elif self.cfg.training.on_nonfinite == "stop":
-            self.optimizer.step()
-            precompute_float8_scales(self.model, cfg=self.cfg.float8)
-            apply = True
         else:
-            apply = self.stats.flag_now(pending)
+            apply = self.cfg.training.on_nonfinite == "stop" or self.stats.flag_now(pending)
             if apply:
                 self.optimizer.step()
                 precompute_float8_scales(self.model, cfg=self.cfg.float8)

@@ -33,10 +33,10 @@ def _grads(block: torch.nn.Module, inputs: tuple[tuple, dict]) -> dict[str, torc
     return grads
 
 
-def _run_block(name: str) -> BlockRun:
+def _run_block(name: str, args=None) -> BlockRun:
     torch._dynamo.reset()
     counters.clear()
-    model = build_model(seed=0)
+    model = build_model(seed=0, args=args)
     block = block_of(model, name)
     reference = copy.deepcopy(block)
     inputs = block_inputs(model, name)
@@ -78,6 +78,11 @@ def test_block_compiles_fullgraph_and_matches_eager(block_runs, name):
         grouped = run.record["ops"].get("torch.ops.torchtitan_glm.grouped_mm.default")
         assert grouped == 3, f"experts should be 3 grouped-GEMM ops, got {grouped}"
 
+    _assert_matches_eager(run, name)
+
+
+def _assert_matches_eager(run: BlockRun, name: str) -> None:
+    """Compiled outputs and gradients (parameters and inputs) equal eager's."""
     assert len(run.outputs) == len(run.ref_outputs)
     for i, (got, want) in enumerate(zip(run.outputs, run.ref_outputs)):
         if want.is_floating_point():
@@ -129,28 +134,7 @@ def test_dsa_block_with_the_dense_kernel_compiles_whole():
     into one graph without breaks, calls no sparse-MLA op and matches eager (outputs, gradients)."""
     from .builders import SEQLEN, debug_args
 
-    torch._dynamo.reset()
-    counters.clear()
-    model = build_model(seed=0, args=debug_args(dsa_dense_max_len=SEQLEN))
-    block = block_of(model, "dsa_moe")
-    reference = copy.deepcopy(block)
-    inputs = block_inputs(model, "dsa_moe")
-    ref_inputs = clone_inputs(inputs)
-    counter = CompileCounterWithBackend("aot_eager")
-    out = torch.compile(block, fullgraph=True, backend=counter)(*inputs[0], **inputs[1])
-    block_loss(out).backward()
-    ref_out = reference(*ref_inputs[0], **ref_inputs[1])
-    block_loss(ref_out).backward()
-    record = graph_ops.record(counter)
-    assert dict(counters["graph_break"]) == {} and record["graphs"] == 1
-    assert not any("sparse_mla" in op for op in record["ops"]), record["ops"]
-    for i, (got, want) in enumerate(zip(output_tensors(out), output_tensors(ref_out))):
-        if want.is_floating_point():
-            assert_close(got, want, f"output {i}")
-        else:
-            assert torch.equal(got, want)
-    grads, ref_grads = _grads(block, inputs), _grads(reference, ref_inputs)
-    scale = max(g.abs().max().item() for g in ref_grads.values() if g is not None)
-    for key, want in ref_grads.items():
-        assert want is not None and grads[key] is not None, key
-        assert_close(grads[key], want, f"grad {key}", atol=1e-6 * scale)
+    run = _run_block("dsa_moe", debug_args(dsa_dense_max_len=SEQLEN))
+    assert run.graph_breaks == {} and run.record["graphs"] == 1
+    assert not any("sparse_mla" in op for op in run.record["ops"]), run.record["ops"]
+    _assert_matches_eager(run, "dsa_moe (dense kernel)")
