@@ -13,7 +13,8 @@ layer and the indexer KL, the scope of the transformers figure in shared/referen
 head + CE). AC `auto` picks selective up to T = 32K and full above. A run that runs out of memory prints a row
 marked OOM and the sweep goes on. A third field `fp8` in a run (`compiled:selective:fp8`) converts the model to the
 FP8 serving split first (`--float8-recipe`). `--profile` adds one profiled step per run and prints its CUDA kernels
-by total time. `--recompute-modules kda,mhc` adds activation_checkpoint.recompute_modules to the selective runs
+by total time; `--memory-profile` prints what is alive at each run's memory peak (or out-of-memory) by source
+line. `--recompute-modules kda,mhc` adds activation_checkpoint.recompute_modules to the selective runs
 (their AC column reads `selective+kda+mhc`). Prints one JSON line per run and a markdown table; the proxy needs CUDA.
 
 `--against transformers` first times transformers' own `Glm5NextTextModel` built from the same config (plus a
@@ -49,6 +50,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from memory_peak import print_breakdown, recording  # scripts/, beside this file
 from torchtitan_glm.activation_checkpoint import RECOMPUTE_MODULES, apply_activation_checkpointing
 from torchtitan_glm.compile import apply_compile
 from torchtitan_glm.components.loss import indexer_kl_loss
@@ -202,7 +204,7 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
             device: torch.device, dtype: torch.dtype, backend: str, scope: str, profile: bool, indexer_kl: str,
             docs: int, tile_elements: int, float8: str | None = None,
             weights: dict[str, torch.Tensor] | None = None, recompute_modules: tuple[str, ...] = (),
-            dsa_dense_max_len: int | None = None) -> dict:
+            dsa_dense_max_len: int | None = None, memory_profile: bool = False) -> dict:
     """One timed run of this repo's model; from `weights` (our names) when given, else from its own init."""
     args = model_args(flavor, scope=scope, tile_elements=tile_elements, dsa_dense_max_len=dsa_dense_max_len)
     train_scope = scope == "train"
@@ -234,8 +236,15 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
             p.grad = None
         return out.loss.detach()
 
-    timed = time_steps(step, params=list(model.parameters()) + list(model.buffers()), steps=steps, warmup=warmup,
-                       device=device, eager=not compiled)
+    with recording(memory_profile):
+        try:
+            timed = time_steps(step, params=list(model.parameters()) + list(model.buffers()), steps=steps,
+                               warmup=warmup, device=device, eager=not compiled)
+        finally:  # also when out of memory: what was alive then
+            if memory_profile:
+                mode = "compiled" if compiled else "eager"
+                print_breakdown(torch.cuda.memory._snapshot(), title=f"T={seq_len} {mode} AC {ac} (the weights, "
+                                "allocated before recording, not included)")
     if profile:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
@@ -300,6 +309,9 @@ def main() -> None:
                    help="model.dsa_dense_max_len, comma-separated to time each (default: the flavor's); e.g. 0,6144 "
                         "times the sparse kernel and the short-row dense kernel side by side")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--memory-profile", action="store_true",
+                   help="record CUDA allocations and print what is alive at each run's peak (or out-of-memory) by "
+                        "the source line that allocated it (scripts/memory_peak.py); timings include the recorder")
     p.add_argument("--out", default="")
     a = p.parse_args()
     if a.against:
@@ -355,7 +367,8 @@ def main() -> None:
                             steps=a.steps, warmup=a.warmup, device=device, dtype=getattr(torch, a.dtype),
                             backend=a.backend, scope=a.scope, profile=a.profile, indexer_kl=a.indexer_kl, docs=a.docs,
                             tile_elements=tile_elements, float8=a.float8_recipe if fp8 == ["fp8"] else None,
-                            weights=weights, recompute_modules=recompute, dsa_dense_max_len=dense_max)
+                            weights=weights, recompute_modules=recompute, dsa_dense_max_len=dense_max,
+                            memory_profile=a.memory_profile and device.type == "cuda")
             except torch.cuda.OutOfMemoryError as e:
                 r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=ac,
                          float8=a.float8_recipe if fp8 == ["fp8"] else "off", oom=str(e).split(".")[0])

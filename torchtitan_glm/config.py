@@ -435,7 +435,10 @@ class CheckpointConfig(_Section):
     enable: save checkpoints; folder: under job.dump_folder; interval: steps between saves; keep_latest_k: delete
     older step folders (0 keeps all); async_mode: "disabled" or "async" (DCP async_save); initial_load_path: weights
     to start from when the folder holds no checkpoint; initial_load_in_hf: that path is an HF safetensors checkpoint;
-    last_save_in_hf: the final save is HF safetensors (needs enable); export_dtype: dtype of HF exports;
+    last_save_in_hf: the final save is HF safetensors (needs enable); last_save_model_only: the final save is that HF
+    export alone, no DCP step folder with the optimizer (TorchTitan's key; for a run whose last step only feeds
+    serving or evaluation: a 7.95 B-parameter proxy's FP32 DCP state is ~47 GB, its BF16 export 16 GB);
+    export_dtype: dtype of HF exports;
     export_fp8: the HF export uses the released FP8 layout (E4M3 + 128x128 block scales for what float8.keep_bf16
     does not keep, modules_to_not_convert for the rest) for serving;
     load_step: the checkpoint step to resume from (-1: the newest one that verifies; a corrupt or incomplete newer
@@ -451,6 +454,7 @@ class CheckpointConfig(_Section):
     initial_load_path: str = ""
     initial_load_in_hf: bool = False
     last_save_in_hf: bool = False
+    last_save_model_only: bool = False
     export_dtype: str = "bfloat16"
     export_fp8: bool = False
     load_step: int = -1
@@ -471,6 +475,9 @@ class CheckpointConfig(_Section):
         self._require(self.load_step == -1 or self.load_step >= 1, "load_step", "must be -1 (newest) or >= 1")
         if self.last_save_in_hf and not self.enable:
             self._fail("last_save_in_hf", "is true but checkpoint.enable is false (nothing is saved)")
+        if self.last_save_model_only and not self.last_save_in_hf:
+            self._fail("last_save_model_only", "is true but checkpoint.last_save_in_hf is false (the model-only "
+                       "final save is the HF export)")
         self._choice("export_dtype", _DTYPES)
         if self.export_fp8 and not self.last_save_in_hf:
             self._fail("export_fp8", "is true but checkpoint.last_save_in_hf is false (there is no HF export)")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from torchtitan_glm.config import CheckpointConfig
-from torchtitan_glm.components.checkpoint import CheckpointManager, list_checkpoints, step_dir
+from torchtitan_glm.components.checkpoint import CheckpointManager, NonFiniteError, list_checkpoints, step_dir
 from torchtitan_glm.components.errors import CheckpointError
 
 from tests.distributed._ckpt_worker import _train  # one training loop for the local and the torchrun tests
@@ -228,6 +228,29 @@ def test_hf_hooks(tmp_path):
     assert calls[1] == ("save", parts[0], str(root / "hf-step-5"), [5])
     with pytest.raises(ValueError, match="hf_save_fn"):
         _manager(tmp_path, parts, cfg, hf_load_fn=hf_load)
+
+
+def test_last_save_model_only_writes_the_hf_export_alone(tmp_path):
+    root = tmp_path / "checkpoint"
+    exported = []
+
+    def hf_save(model, out_dir):
+        exported.append((out_dir, list_checkpoints(str(root))))
+
+    parts = _build(seed=0)
+    cfg = _Cfg(interval=2, last_save_in_hf=True, last_save_model_only=True)
+    mgr = _manager(tmp_path, parts, cfg, hf_save_fn=hf_save)
+    assert mgr.save(2)  # an interval save is the full DCP state, as always
+    _train(*parts, 1)
+    assert mgr.save(3, last=True)
+    assert exported == [(str(root / "hf-step-3"), [2])]  # no step-3 DCP folder, before or after the export
+    assert list_checkpoints(str(root)) == [2]
+    # a non-finite model is not exported either
+    with torch.no_grad():
+        next(parts[0].parameters())[0] = float("nan")
+    with pytest.raises(NonFiniteError):
+        mgr.save(4, last=True)
+    assert len(exported) == 1
 
 
 # ------------------------------------------------------------------------------------ verified checkpoints

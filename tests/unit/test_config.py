@@ -80,6 +80,8 @@ BAD_TOML = [
     ('[lr_scheduler]\ndecay_type = "wsd"\ndecay_ratio = 0.01\n', "lr_scheduler.decay_ratio", "wsd"),
     ("[checkpoint]\ninitial_load_in_hf = true\n", "checkpoint.initial_load_in_hf", "initial_load_path is empty"),
     ("[checkpoint]\nlast_save_in_hf = true\n", "checkpoint.last_save_in_hf", "enable is false"),
+    ("[checkpoint]\nenable = true\nlast_save_model_only = true\n", "checkpoint.last_save_model_only",
+     "last_save_in_hf is false"),
     ('[loss]\nindexer_stage = "dense_warmup"\nindexer_sparse_loss = true\n', "loss.indexer_sparse_loss", "sparse"),
     ('[data]\nsource = "jsonl"\n', "data.paths", "at least one"),
     ('[data]\nsource = "jsonl"\npaths = ["/nonexistent/x.jsonl"]\n', "data.paths", "/nonexistent/x.jsonl"),

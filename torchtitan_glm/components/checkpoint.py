@@ -5,7 +5,8 @@ Layout under `{dump_folder}/{cfg.folder}/`:
   step-{N}/        a published checkpoint: DCP files + `.metadata`, `run.json` (what the run was: config, model
                    arguments; compared at resume) and `manifest.json` (size and SHA-256 of every other file)
   step-{N}.tmp/    a save in progress, or the leftover of a crashed one (ignored by load, removed by the next save)
-  hf-step-{N}/     the HF export of the last step (cfg.last_save_in_hf)
+  hf-step-{N}/     the HF export of the last step (cfg.last_save_in_hf; with cfg.last_save_model_only the last
+                   step writes only this)
 
 A save first checks that the state is finite (a non-finite state is never saved), writes `step-{N}.tmp/`, waits
 until every rank has finished (DCP's final collective writes `.metadata` only after all ranks' data is on disk),
@@ -252,13 +253,16 @@ class CheckpointManager:
 
         In async mode the write continues in the background and the checkpoint appears (is renamed) when the next
         save or close() waits for it; the last save (and a forced one) is synchronous. With last and
-        cfg.last_save_in_hf, the model is also exported with hf_save_fn to `hf-step-{step}`.
+        cfg.last_save_in_hf, the model is also exported with hf_save_fn to `hf-step-{step}`; with
+        cfg.last_save_model_only that export is all the last save writes.
         """
         if not self.cfg.enable or not (last or force or step % self.cfg.interval == 0):
             return False
         self._finish_pending()
+        model_only = last and self.cfg.last_save_model_only  # validated: implies last_save_in_hf
         if step != self._last_saved_step:  # the last save may repeat the interval save of the same step
             self._check_finite(step)
+        if step != self._last_saved_step and not model_only:
             tmp = step_dir(self.root, step) + ".tmp"
             self._on_rank0(self._remove_stale_tmp)
             self._train_state.step = step

@@ -1,0 +1,88 @@
+"""What is alive at a CUDA memory peak (or at an out-of-memory), grouped by the project's source line that
+allocated it: the breakdown behind benchmark.py's `--memory-profile`.
+
+torch's recorder (`torch.cuda.memory._record_memory_history`) keeps every allocation and free with its Python
+stack; `live_at_peak` replays that trace, finds the moment the allocated bytes were highest (an `oom` event counts
+as a peak, with the failed request added) and sums the blocks alive then by their innermost frame under
+`torchtitan_glm/` (else the innermost frame at all). torch's memory_viz renders the same trace as a picture; this
+prints the table a remote run can bring back as text.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from contextlib import contextmanager
+
+
+def _key(frames: list[dict], root: str) -> str:
+    for f in frames:
+        if root in f["filename"].replace(os.sep, "/"):
+            path = f["filename"].replace(os.sep, "/")
+            return f"{path[path.index(root):]}:{f['line']} {f['name']}"
+    if frames:
+        f = frames[0]
+        return f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}"
+    return "(no stack)"
+
+
+def live_at_peak(snapshot: dict, *, root: str = "torchtitan_glm/", device: int = 0) -> tuple[int, list[tuple]]:
+    """(peak bytes of the traced allocations, [(bytes, count, source) ...] largest first) at the trace's peak.
+
+    Blocks allocated before recording began are not in the trace: the peak is over the traced ones only.
+    """
+    events = snapshot["device_traces"][device]
+    live, total, peak, peak_at, extra = {}, 0, -1, -1, 0
+    for i, e in enumerate(events):
+        action = e["action"]
+        if action == "alloc":
+            live[e["addr"]] = e["size"]
+            total += e["size"]
+        elif action == "free_completed":
+            total -= live.pop(e["addr"], 0)
+        elif action == "oom":
+            peak, peak_at, extra = total + e["size"], i, e["size"]
+            break
+        if total > peak:
+            peak, peak_at = total, i
+    blocks = {}
+    for e in events[:peak_at + 1]:
+        if e["action"] == "alloc":
+            blocks[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            blocks.pop(e["addr"], None)
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for e in blocks.values():
+        g = groups[_key(e.get("frames", []), root)]
+        g[0] += e["size"]
+        g[1] += 1
+    if extra:
+        groups["(the failed request)"] = [extra, 1]
+    rows = sorted(((b, n, k) for k, (b, n) in groups.items()), reverse=True)
+    return peak, rows
+
+
+@contextmanager
+def recording(enabled: bool, *, max_entries: int = 2_000_000):
+    """Record CUDA allocations with Python stacks while the block runs (nothing when not enabled)."""
+    import torch
+
+    if not enabled:
+        yield
+        return
+    torch.cuda.memory._record_memory_history(context="all", stacks="python", max_entries=max_entries)
+    try:
+        yield
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def print_breakdown(snapshot: dict, *, title: str, top: int = 30) -> None:
+    peak, rows = live_at_peak(snapshot)
+    print(f"memory at the peak of {title}: {peak / 2**30:.2f} GiB traced", flush=True)
+    print("| GiB | blocks | allocated at |\n|---|---|---|")
+    for b, n, k in rows[:top]:
+        print(f"| {b / 2**30:.3f} | {n} | {k} |")
+    rest = sum(b for b, _, _ in rows[top:])
+    if rest:
+        print(f"| {rest / 2**30:.3f} | {sum(n for _, n, _ in rows[top:])} | (the rest) |", flush=True)
