@@ -10,7 +10,9 @@
 #   speed (issue 12): scripts/bench_kda.py (KDA_SEQ; alone: kda), scripts/benchmark.py --against transformers (AGAINST_SEQ, AGAINST_RUNS; needs transformers
 #   >= 5.23 importable). proxytrain: train.py on train_configs/glm5_3_flash_proxy.toml (PROXY_STEPS, PROXY_ARGS).
 #   serving: the CUDA decode tests (FLA recurrent KDA, prefill states, sparse MLA over the latent cache, debug model
-#   decode == forward), scripts/rollout_agreement.py on the proxy (ROLLOUT_PRECISIONS) and scripts/bench_decode.py.
+#   decode == forward), scripts/rollout_agreement.py on the proxy (ROLLOUT_PRECISIONS; on the proxy trained
+#   ROLLOUT_TRAIN_STEPS=30 steps first, 0 = random weights, or ROLLOUT_SOURCE="--hf DIR"/"--checkpoint DIR") and
+#   scripts/bench_decode.py.
 #   multigpu (issue 15; needs a multi-GPU kind): train.py on the proxy with FSDP2 x EP over N GPUs for each N in
 #   MULTI_N (default 1 2 4 8, up to the GPUs present), FP8 split on, MULTI_STEPS steps, one log per N (tokens/s,
 #   MFU, peak memory per GPU in its metric lines; weak scaling = tokens/s per GPU at N / at 1); then CP = 2 x EP on
@@ -87,7 +89,18 @@ esac
 case " $STAGES " in *" serving "*)
   timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/gpu/test_decode_cuda.py -p no:cacheprovider 2>&1 \
       | tee "$OUT/decode_tests.log"
-  timeout "${ROLLOUT_TIMEOUT:-500}" python3 scripts/rollout_agreement.py --flavor glm5_3_flash_proxy \
+  # random weights give near-uniform log-probs (a Pearson of noise): first train the proxy ROLLOUT_TRAIN_STEPS
+  # steps (eager, full AC) and export only its BF16 HF weights, unless ROLLOUT_SOURCE names a checkpoint
+  src=${ROLLOUT_SOURCE:-}
+  if [ -z "$src" ] && [ "${ROLLOUT_TRAIN_STEPS:-30}" -gt 0 ]; then
+    timeout "${PROXY_TIMEOUT:-400}" torchrun --nproc-per-node 1 train.py --config train_configs/glm5_3_flash_proxy.toml \
+        --compile.enable false --activation_checkpoint.mode full --training.steps "${ROLLOUT_TRAIN_STEPS:-30}" \
+        --metrics.log_freq 10 --metrics.enable_tensorboard false --checkpoint.enable true --checkpoint.interval 100000 \
+        --checkpoint.last_save_in_hf true --checkpoint.last_save_model_only true --job.dump_folder "$CACHE/rollout_px" \
+        2>&1 | tee "$OUT/rollout_train.log"
+    src="--hf $CACHE/rollout_px/checkpoint/hf-step-${ROLLOUT_TRAIN_STEPS:-30}"
+  fi
+  timeout "${ROLLOUT_TIMEOUT:-500}" python3 scripts/rollout_agreement.py ${src:---flavor glm5_3_flash_proxy} \
       --precisions "${ROLLOUT_PRECISIONS:-bf16,fp8_split,fp8_indexer,fp8_indexer_trained}" --num-sequences 16 \
       --prompt-len 512 --continuation-len 128 --json "$OUT/rollout_agreement.json" 2>&1 | tee "$OUT/rollout_agreement.log"
   timeout "${DECODE_BENCH_TIMEOUT:-400}" python3 scripts/bench_decode.py --flavor glm5_3_flash_proxy --batch 1,64 \
