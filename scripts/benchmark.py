@@ -53,6 +53,7 @@ from torch.utils._pytree import tree_leaves
 from memory_peak import print_breakdown, recording  # scripts/, beside this file
 from torchtitan_glm.activation_checkpoint import RECOMPUTE_MODULES, apply_activation_checkpointing
 from torchtitan_glm.compile import apply_compile
+from torchtitan_glm.components.cuda_alloc import default_alloc_conf
 from torchtitan_glm.components.loss import indexer_kl_loss
 from torchtitan_glm.components.metrics import flops_per_token
 from torchtitan_glm.config import Float8Config
@@ -314,6 +315,7 @@ def main() -> None:
                         "the source line that allocated it (scripts/memory_peak.py); timings include the recorder")
     p.add_argument("--out", default="")
     a = p.parse_args()
+    default_alloc_conf()  # expandable segments, as train.py runs (unless PYTORCH_CUDA_ALLOC_CONF is set)
     if a.against:
         if a.scope == "train" or a.docs != 1:
             p.error("--against transformers compares the reference scope (trunk + LM head + CE) on one document per "

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan_glm.components import loss as losses
 from torchtitan_glm.components.checkpoint import CheckpointManager, list_checkpoints, step_dir
+from torchtitan_glm.components.cuda_alloc import default_alloc_conf
 from torchtitan_glm.components.data import build_dataloader
 from torchtitan_glm.components.errors import CheckpointError, NonFiniteError, is_expected, one_line, run_job
 from torchtitan_glm.components.logs import device_memory, init_logging, startup_summary
@@ -469,7 +470,10 @@ def _run(cfg: JobConfig) -> None:
 
 @main_guard
 def main(argv: list[str] | None = None) -> None:
+    alloc = default_alloc_conf()  # before anything allocates on the device
     cfg = load_config(argv)  # ConfigError -> exit 2 before any process group starts
     check_layout(cfg)  # the same for the parallel layout against the world size and the model
     init_logging(rank=int(os.environ.get("RANK", 0)))
+    if torch.cuda.is_available():
+        logger.info("CUDA allocator: %s", alloc)
     run_job(lambda: _run(cfg))  # an error on any rank: reported once, every rank exits within seconds
