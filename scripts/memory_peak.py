@@ -17,13 +17,25 @@ from contextlib import contextmanager
 
 def _key(frames: list[dict], root: str) -> str:
     for f in frames:
-        if root in f["filename"].replace(os.sep, "/"):
-            path = f["filename"].replace(os.sep, "/")
+        path = f["filename"].replace(os.sep, "/")
+        if root in path:
             return f"{path[path.index(root):]}:{f['line']} {f['name']}"
     if frames:
         f = frames[0]
         return f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}"
     return "(no stack)"
+
+
+def _replay(events: list[dict]):
+    """After each event: (index, event, the live blocks by address, their total bytes); the dict is updated in place."""
+    live, total = {}, 0
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            total += e["size"]
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            total -= live.pop(e["addr"])["size"]
+        yield i, e, live, total
 
 
 def live_at_peak(snapshot: dict, *, root: str = "torchtitan_glm/", device: int = 0) -> tuple[int, list[tuple]]:
@@ -32,25 +44,16 @@ def live_at_peak(snapshot: dict, *, root: str = "torchtitan_glm/", device: int =
     Blocks allocated before recording began are not in the trace: the peak is over the traced ones only.
     """
     events = snapshot["device_traces"][device]
-    live, total, peak, peak_at, extra = {}, 0, -1, -1, 0
-    for i, e in enumerate(events):
-        action = e["action"]
-        if action == "alloc":
-            live[e["addr"]] = e["size"]
-            total += e["size"]
-        elif action == "free_completed":
-            total -= live.pop(e["addr"], 0)
-        elif action == "oom":
+    peak, peak_at, extra = -1, -1, 0
+    for i, e, _, total in _replay(events):
+        if e["action"] == "oom":
             peak, peak_at, extra = total + e["size"], i, e["size"]
             break
         if total > peak:
             peak, peak_at = total, i
-    blocks = {}
-    for e in events[:peak_at + 1]:
-        if e["action"] == "alloc":
-            blocks[e["addr"]] = e
-        elif e["action"] == "free_completed":
-            blocks.pop(e["addr"], None)
+    blocks: dict = {}
+    for _, _, blocks, _ in _replay(events[:peak_at + 1]):  # replayed again up to the peak (no copy per new high)
+        pass
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for e in blocks.values():
         g = groups[_key(e.get("frames", []), root)]

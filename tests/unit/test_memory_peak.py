@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-from memory_peak import live_at_peak  # noqa: E402
+_SPEC = importlib.util.spec_from_file_location(
+    "memory_peak", Path(__file__).resolve().parents[2] / "scripts" / "memory_peak.py")
+_MODULE = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_MODULE)
+live_at_peak = _MODULE.live_at_peak
 
 
 def _frames(name: str, line: int) -> list[dict]:

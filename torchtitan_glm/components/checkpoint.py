@@ -262,19 +262,19 @@ class CheckpointManager:
         model_only = last and self.cfg.last_save_model_only  # validated: implies last_save_in_hf
         if step != self._last_saved_step:  # the last save may repeat the interval save of the same step
             self._check_finite(step)
-        if step != self._last_saved_step and not model_only:
-            tmp = step_dir(self.root, step) + ".tmp"
-            self._on_rank0(self._remove_stale_tmp)
-            self._train_state.step = step
-            start = time.perf_counter()
-            if self.cfg.async_mode == "async" and not (last or force):
-                future = dcp.async_save(self.states, checkpoint_id=tmp, storage_writer=self._storage_writer(tmp),
-                                        **self._dcp_kw)
-                self._pending = (future, step, start, time.perf_counter() - start)
-            else:
-                dcp.save(self.states, checkpoint_id=tmp, storage_writer=self._storage_writer(tmp), **self._dcp_kw)
-                self._commit(step, start, None)
-            self._last_saved_step = step
+            if not model_only:
+                tmp = step_dir(self.root, step) + ".tmp"
+                self._on_rank0(self._remove_stale_tmp)
+                self._train_state.step = step
+                start = time.perf_counter()
+                if self.cfg.async_mode == "async" and not (last or force):
+                    future = dcp.async_save(self.states, checkpoint_id=tmp, storage_writer=self._storage_writer(tmp),
+                                            **self._dcp_kw)
+                    self._pending = (future, step, start, time.perf_counter() - start)
+                else:
+                    dcp.save(self.states, checkpoint_id=tmp, storage_writer=self._storage_writer(tmp), **self._dcp_kw)
+                    self._commit(step, start, None)
+                self._last_saved_step = step
         if last and self.cfg.last_save_in_hf:
             out_dir = os.path.join(self.root, f"hf-step-{step}")
             self.hf_save_fn(self.model, out_dir)
