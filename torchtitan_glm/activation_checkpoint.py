@@ -16,6 +16,8 @@ recompute_modules (selective only) recomputes the saved ops of the listed parts 
   sparse_attn  the DSA attention kernel (sparse absorbed MLA; the dense stage's masked attention)
   moe          the MoE layer: router, routed experts' grouped GEMMs and the shared expert
   mlp          the dense layers' MLP
+moe_chunk_tokens (any mode) runs the routed experts over checkpointed token chunks, so one chunk's expert
+activations are alive at a time in backward: for long sequences, at the cost of one more expert forward.
 The decision is taken per op (the same `torch.utils.checkpoint` policy machinery as selective) from where the op
 runs: the Python code regions (class methods) on its call stack, and for mla_up_proj the module being called. In
 eager those come from the interpreter's frames; under torch.compile the policy runs while AOTAutograd traces the
@@ -194,8 +196,17 @@ def wrap_block(block: nn.Module, *, mode: str, recompute_modules: Iterable[str] 
     raise ValueError(f"activation_checkpoint.mode must be one of {MODES}, got {mode!r}")
 
 
-def apply_activation_checkpointing(model: nn.Module, *, mode: str, recompute_modules: Iterable[str] = ()) -> None:
-    """Wrap every decoder layer and the MTP layer of a Glm5Model in place."""
+def apply_activation_checkpointing(model: nn.Module, *, mode: str, recompute_modules: Iterable[str] = (),
+                                   moe_chunk_tokens: int = 0) -> None:
+    """Wrap every decoder layer and the MTP layer of a Glm5Model in place. moe_chunk_tokens > 0 runs every MoE's
+    routed experts over checkpointed token chunks of that many tokens (models/glm5/moe.py::MoE), in any mode."""
+    from torchtitan_glm.models.glm5.moe import MoE
+
+    if moe_chunk_tokens < 0:
+        raise ValueError(f"activation_checkpoint.moe_chunk_tokens must be >= 0, got {moe_chunk_tokens}")
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.chunk_tokens = moe_chunk_tokens
     recompute_modules = tuple(recompute_modules)
     for name, layer in list(model.layers.items()):
         model.layers[name] = wrap_block(layer, mode=mode, recompute_modules=recompute_modules)

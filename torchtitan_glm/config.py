@@ -491,14 +491,20 @@ class ActivationCheckpointConfig(_Section):
     whole KDA token mixer), "mhc" (mHC maps and stream mixing), "indexer" (the DSA indexer: projections, top-k, KL),
     "mla_up_proj" (MLA q / kv up-projections), "sparse_attn" (the DSA attention kernel), "moe" (router, experts and
     shared expert), "mlp" (dense layers' MLP); Megatron's "moe_act" is accepted and is what selective already does.
+    moe_chunk_tokens (any mode; 0 = off): the routed experts run over token chunks of this many tokens, each
+    checkpointed, so backward holds one chunk's expert activations (long sequences; one more expert forward).
     """
 
     SECTION: ClassVar[str] = "activation_checkpoint"
     mode: str = "none"
     recompute_modules: list[str] = field(default_factory=list)
+    moe_chunk_tokens: int = 0
 
     def validate(self) -> None:
         from torchtitan_glm.activation_checkpoint import IMPLIED_BY_SELECTIVE, RECOMPUTE_MODULES
+
+        self._require(self.moe_chunk_tokens >= 0, "moe_chunk_tokens", f"must be >= 0 (0 = off), got "
+                      f"{self.moe_chunk_tokens}")
 
         self._choice("mode", ("none", "full", "selective"))
         for name in self.recompute_modules:

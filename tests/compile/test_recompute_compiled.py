@@ -38,3 +38,21 @@ def test_compiled_choices_attribute_and_match_eager(modules):
     assert grads.keys() == ref_grads.keys()
     for key, g in grads.items():
         torch.testing.assert_close(g, ref_grads[key], rtol=1e-4, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("mode", ["full", pytest.param("selective", marks=pytest.mark.slow)])
+def test_compiled_moe_chunks_match_eager(mode):
+    """activation_checkpoint.moe_chunk_tokens inside fullgraph-compiled blocks (nested checkpoints under full AC)."""
+    ref_loss, ref_grads, _ = _step((), compiled=False)
+    model = build_model(0)
+    apply_activation_checkpointing(model, mode=mode, moe_chunk_tokens=13)
+    apply_compile(model, backend="aot_eager", components=["model"])
+    batch = make_batch(0, model.args.vocab_size, bsz=1)
+    n = int((batch.labels != -100).sum())
+    loss = training_loss(train_forward(model, batch, token_scale=1.0 / n, mtp_scale=0.1 / n))
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-5, atol=0)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            key = name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
+            torch.testing.assert_close(p.grad, ref_grads[key], rtol=1e-4, atol=1e-6, msg=lambda m: f"{key}: {m}")

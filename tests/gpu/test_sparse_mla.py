@@ -95,6 +95,28 @@ def test_triton_lse_empty_rows_and_head_major_bf16():
     assert _rms_ratio(hdq, dq) < 1e-3 and _rms_ratio(hdkv, dkv) < 1e-3  # dkv's atomic adds reorder
 
 
+def test_head_major_offsets_past_2_31_elements():
+    """A head-major q at T = 70,000 puts head 63 at 63 * T * D ~ 2.26e9 elements from its base: the kernels' head
+    offsets must be 64-bit (with 32-bit ones the proxy's 128K step hit an illegal memory access, 2026-12-04). Few
+    keys per query keep it quick; the queries checked sit at the end, in the last heads."""
+    t_len, k = 70_000, 16
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    hq = torch.randn(1, H, t_len, D, generator=gen, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    kv = torch.randn(1, t_len, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(t_len, device="cuda")
+    idx = (pos[:, None] - torch.arange(k, device="cuda")[None, :]).clamp(min=-1).int()[None]  # the last k tokens
+    out, lse = torch.ops.torchtitan_glm.sparse_mla_fwd(hq, kv, idx, SCALE)
+    dout = torch.randn(out.shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+    dq, dkv = torch.ops.torchtitan_glm.sparse_mla_bwd(dout, hq, kv, idx, out, lse, SCALE)
+    tail = slice(t_len - 64, t_len)
+    q_t = hq[:, tail].float()
+    ref, ref_lse = sparse_mla_reference(q_t, kv.float(), idx[:, tail], scale=SCALE)
+    assert _rms_ratio(out[:, tail], ref) < 1e-2
+    rdq, _ = sparse_mla_reference_bwd(dout[:, tail].float(), q_t, kv.float(), idx[:, tail], ref, ref_lse, scale=SCALE)
+    assert _rms_ratio(dq[:, tail], rdq) < 2e-2
+    assert torch.isfinite(dkv.float()).all()
+
+
 def test_deterministic_mode_uses_the_reference_backward(monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses deterministic mode without it
     q, kv, idx = _inputs(1024, torch.bfloat16, seed=2)

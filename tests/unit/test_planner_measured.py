@@ -13,6 +13,8 @@ from torchtitan_glm.planner import Request, plan
 from torchtitan_glm.planner.hardware import GIB, H200
 
 MEASURED = json.loads(Path(__file__).with_name("planner_measured_h200.json").read_text())
+# Rows measured on code the model has since changed in a way the planner follows (each says how): kept as history.
+CURRENT = [f for f in MEASURED["figures"] if "superseded" not in f]
 PROXY = "train_configs/glm5_3_flash_proxy.toml"
 
 
@@ -21,8 +23,14 @@ def _plan(fig: dict):
     return plan(Request(argv, 1, H200, fig["scope"]))
 
 
-@pytest.mark.parametrize("fig", MEASURED["figures"], ids=lambda f: f["name"])
+@pytest.mark.parametrize("fig", CURRENT, ids=lambda f: f["name"])
 def test_peak_memory_within_10_percent_of_measured(fig):
     p = _plan(fig)
     planned = (p.memory.peak if fig["stat"] == "allocated" else p.memory.reserved) / GIB
     assert planned == pytest.approx(fig["peak_gib"], rel=0.10), (fig["name"], planned)
+
+
+def test_superseded_rows_say_why_and_enough_rows_remain():
+    old = [f for f in MEASURED["figures"] if "superseded" in f]
+    assert all(len(f["superseded"]) > 40 for f in old)
+    assert len(CURRENT) >= 8 and {f["stat"] for f in CURRENT} == {"allocated", "reserved"}

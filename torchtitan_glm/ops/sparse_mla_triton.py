@@ -58,7 +58,7 @@ def _fwd_kernel(
     pid = tl.program_id(0)
     b = (pid // T).to(tl.int64)
     t = (pid % T).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)  # x head strides of T * D: 64-bit
     offs_d = tl.arange(0, BLOCK_D)
     mh, md = offs_h < H, offs_d < D
     q = tl.load(Q + b * sq_b + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :],
@@ -103,7 +103,7 @@ def _bwd_kernel(
     pid = tl.program_id(0)
     b = (pid // T).to(tl.int64)
     t = (pid % T).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)  # x head strides of T * D: 64-bit
     offs_d = tl.arange(0, BLOCK_D)
     mh, md = offs_h < H, offs_d < D
     mhd = mh[:, None] & md[None, :]

@@ -42,10 +42,17 @@ class ActContext:
     collect_stats: bool = True  # the indexer runs with gradients and returns KL statistics (training)
     sparse_kl: bool = False  # the KL over the selected pools only (loss.indexer_sparse_loss)
     cp: int = 1  # context-parallel degree: seq = keys / cp, and DSA all-gathers the whole rows (see _dsa)
+    moe_chunk: int = 0  # activation_checkpoint.moe_chunk_tokens (0 = off)
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seq
+
+    @property
+    def expert_share(self) -> float:
+        """The share of the tokens whose routed-expert rows are alive at once: one checkpointed chunk of
+        moe_chunk_tokens (recomputed in backward), or all of them."""
+        return self.moe_chunk / self.tokens if 0 < self.moe_chunk < self.tokens else 1.0
 
     @property
     def pools(self) -> int:
@@ -87,10 +94,10 @@ def _mhc_site(t: _Terms, regime: str) -> None:
     if not c.fp32_params:
         t.fixed("mhc", width * n * d * 4)  # fn.float(): an FP32 copy of the BF16-cast weight
     if regime == "compiled":
-        t.tok("mhc", 4 * n * d + 4 * n * n + 8 * n + 4 + (2 * n * n + 2 * n if cast else 0))
+        t.tok("mhc", 4 * n * n + 8 * n + 4 + (2 * n * n + 2 * n if cast else 0))
         return
     fp32_mix = c.args.mhc_fp32_mixing
-    per_site = 8 * n * d + 4  # streams.float() and the RMS-scaled copy, rsqrt
+    per_site = 4  # the per-row rsqrt (mhc.rms_linear keeps the BF16 streams, not FP32 copies)
     per_site += 4 * width + 3 * 4 * n  # the mapping output, sigmoid outputs, pre (+eps)
     per_site += 4 * n * n * 2 * it + 4 * n * (2 * it - 1)  # Sinkhorn: every division keeps both operands
     if fp32_mix:  # merge in FP32: post, block output and residual cast to FP32
@@ -265,12 +272,14 @@ def _moe(t: _Terms, regime: str) -> None:
         t.fixed("router", e * d * 4)  # weight.float()
     if regime == "compiled":
         t.tok("router", 4 * d + 4 * e + 3 * 8 * k + 4 * k + 2 * k)  # FP32 input, logits, ids/order/token, weights
-        t.tok("experts", 2 * k * d * a + 3 * k * ie * a)  # gathered rows, down output; gate, up, SwiGLU
+        # gathered rows, down output; gate, up, SwiGLU (with moe_chunk_tokens: one chunk's, alive while it is
+        # recomputed in backward)
+        t.tok("experts", (2 * k * d * a + 3 * k * ie * a) * c.expert_share)
         _dense_mlp(t, regime, shared, "shared_expert")
         t.tok("block_out", 2 * d * a)  # the combine buffer and the MoE output
         return
     t.tok("router", 4 * d + 4 * e + 8 * k + 4 * k + 4)  # FP32 input, sigmoid, top-k ids, weights, norm
-    t.tok("experts", 2 * 8 * k + 2 * k + 3 * k * d * a + k * ie * a + 5 * k * ie * a)
+    t.tok("experts", (2 * 8 * k + 2 * k + 3 * k * d * a + k * ie * a + 5 * k * ie * a) * c.expert_share)
     _dense_mlp(t, regime, shared, "shared_expert")
 
 
@@ -352,7 +361,8 @@ def forward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: boo
     if "dsa" in kind or kind == "mtp":
         work += _dsa_forward_work(ctx, indexer=not shared_indexer)
     if kind.endswith("moe") or kind == "mtp":
-        work += _per_token(ctx, args.num_experts_per_tok * d * a + d * a)  # weighted expert rows, the combine
+        # weighted expert rows (one chunk's with moe_chunk_tokens), the combine
+        work += _per_token(ctx, args.num_experts_per_tok * d * a * ctx.expert_share + d * a)
     return work
 
 
@@ -388,7 +398,7 @@ def backward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bo
             work += _dsa_forward_work(ctx, indexer=not shared_indexer)
     work += _per_token(ctx, 2 * n * d * a)  # gradients of the input and output streams
     if regime == "eager":
-        work += _per_token(ctx, 3 * 4 * n * d)  # the FP32 gradient chain of the mHC mapping
+        work += _per_token(ctx, n * d * a)  # the mHC mapping's input gradient (mhc.rms_linear: BF16, FP32 in chunks)
     if kind.startswith("kda"):
         h, k = args.linear_num_heads, args.linear_head_dim
         # FLA chunk_kda backward: dq, dk, dg in FP32, dv, recomputed chunk states and their FP32 gradients
@@ -403,7 +413,8 @@ def backward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bo
             work += _per_token(ctx, h * (2 * dqk + dv) * a, heads=True) + _per_token(ctx, ctx.keys * a)
     if kind.endswith("moe") or kind == "mtp":
         k, ie = args.num_experts_per_tok, args.moe_intermediate_size
-        work += _per_token(ctx, 2 * k * d * a + 2 * k * ie * a)  # gradients of the expert rows and of gate/up
+        # gradients of the expert rows and of gate/up (one chunk's with moe_chunk_tokens)
+        work += _per_token(ctx, (2 * k * d * a + 2 * k * ie * a) * ctx.expert_share)
     elif kind.endswith("dense"):
         work += _per_token(ctx, 2 * args.intermediate_size * a, heads=True)
     return work

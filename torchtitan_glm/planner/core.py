@@ -224,7 +224,8 @@ def plan_layout(request: Request, cfg: JobConfig, inv: ModelInventory, layout: L
                                         and inv.args.num_dsa_layers > 0)
     ctx = ActContext(args=inv.args, batch=tr.local_batch_size, seq=tr.seq_len // layout.cp, keys=tr.seq_len,
                      act=act, tp=layout.tp, device="cuda", fp32_params=scope == "train", collect_stats=collect,
-                     sparse_kl=cfg.loss.indexer_sparse_loss, cp=layout.cp)
+                     sparse_kl=cfg.loss.indexer_sparse_loss, cp=layout.cp,
+                     moe_chunk=cfg.activation_checkpoint.moe_chunk_tokens)
     compiled_loss = cfg.compile.enable and "loss" in cfg.compile.components
     setup = StepSetup(scope=scope, regime=regime, param_bytes=act,
                       reduce_bytes=_DTYPE_BYTES[tr.mixed_precision_reduce], ce_chunk=cfg.loss.ce_chunk_size,

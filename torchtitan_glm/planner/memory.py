@@ -132,7 +132,6 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
             return _tokens_bytes(ctx, d * a + args.hc_mult * d * a)  # embeddings, the streams copy
         return forward_work(u.kind, setup.regime, ctx, shared_indexer=u.shared_indexer)
 
-    stats_per_layer = _tokens_bytes(ctx, 10 * ctx.pools) if ctx.collect_stats else 0.0
     head = units["head"]
     # ------------------------------------------------------------------------------------------ forward
     for i, u in enumerate(order):
@@ -149,8 +148,6 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
         kept[u.name] = s
         if u.kind != "embed":
             by_type[u.kind] = by_type.get(u.kind, 0.0) + s
-        if ("dsa" in u.kind or u.kind == "mtp") and not u.shared_indexer:
-            w.live["loss"] += stats_per_layer
     if not with_mtp:
         final_norm = _tokens_bytes(ctx, 4 * d + 4 + d * a + d * a)
         w.live["activations"] += final_norm
@@ -181,8 +178,6 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
     w.point("backward loss (fused CE)", working=ce_bwd, gradients=head_grad)
     w.live["loss"] -= ce_kept
     w.live["gradients"] += head_grad  # the LM head's gradient (unsharded until the unit reduces)
-    n_stats = sum(1 for u in order if ("dsa" in u.kind or u.kind == "mtp") and not u.shared_indexer)
-    w.live["loss"] -= stats_per_layer * n_stats
 
     def finish_head() -> None:  # the final norm's backward completes the head unit's gradients
         w.live["activations"] -= kept["final_norm"]

@@ -10,8 +10,48 @@ import torch
 from torch import nn
 
 
-def _rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+# Rows of the FP32 working copy one backward chunk of _RmsLinear holds, over the row width (64 MiB in FP32).
+_BWD_CHUNK_ELEMENTS = 1 << 24
+
+
+class _RmsLinear(torch.autograd.Function):
+    """linear(rms_scale(x.float()), w) that saves x in its own dtype and the per-row scale, not FP32 copies.
+
+    Autograd of the plain expression keeps two FP32 copies of the flattened streams per mHC site (x.float() and its
+    scaled copy): 4 GiB each per site at T = 64K on the proxy, measured as the second-largest live entry when 64K ran
+    out of memory (docs/performance.md). The forward here computes the same expression (bit-identical); the backward
+    recomputes the scaled rows in chunks: with xn = x r, r = rsqrt(mean(x^2) + eps) and g = grad_out w,
+    dx = r (g - xn mean(g xn)), dw = grad_out^T xn."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, r)
+        return torch.nn.functional.linear(xf * r, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight, r = ctx.saved_tensors
+        width = x.shape[-1]
+        xs, gs, rs = x.reshape(-1, width), grad_out.reshape(-1, grad_out.shape[-1]).float(), r.reshape(-1, 1)
+        rows = max(1, _BWD_CHUNK_ELEMENTS // width)
+        dx = torch.empty_like(xs) if ctx.needs_input_grad[0] else None
+        dw = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        for s in range(0, xs.shape[0], rows):
+            xn = xs[s:s + rows].float() * rs[s:s + rows]
+            if dw is not None:
+                dw += gs[s:s + rows].t() @ xn
+            if dx is not None:
+                g = gs[s:s + rows] @ weight.float()
+                dx[s:s + rows] = (rs[s:s + rows] * (g - xn * (g * xn).mean(-1, keepdim=True))).to(dx.dtype)
+        return (None if dx is None else dx.view(x.shape)), (None if dw is None else dw.to(weight.dtype)), None
+
+
+def rms_linear(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """F.linear(x.float() * rsqrt(mean(x.float()^2, -1) + eps), weight) in FP32, holding x (not FP32 copies) for
+    backward."""
+    return _RmsLinear.apply(x, weight, eps)
 
 
 def sinkhorn(logits: torch.Tensor, *, iters: int, eps: float) -> torch.Tensor:
@@ -44,8 +84,7 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = self.hc_mult
-        flat = _rms_scale(streams.flatten(-2).float(), self.norm_eps)
-        mix = torch.nn.functional.linear(flat, self.fn.float())
+        mix = rms_linear(streams.flatten(-2), self.fn.float(), eps=self.norm_eps)
         pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
         s_pre, s_post, s_comb = self.scale.float().unbind(0)
@@ -89,8 +128,8 @@ class LearnedHcHead(nn.Module):
         self.scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = _rms_scale(streams.flatten(-2).float(), self.norm_eps)
-        pre = torch.sigmoid(torch.nn.functional.linear(flat, self.fn.float()) * self.scale.float() + self.base) + self.hc_eps
+        mix = rms_linear(streams.flatten(-2), self.fn.float(), eps=self.norm_eps)
+        pre = torch.sigmoid(mix * self.scale.float() + self.base) + self.hc_eps
         return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
 
     def init_weights(self) -> None:

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from torchtitan_glm.ops.grouped_mm import FP8_GROUP_ALIGN, grouped_mm, pad_groups
 
@@ -112,7 +113,14 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (top-k, weighted) plus one always-on shared expert."""
+    """Routed experts (top-k, weighted) plus one always-on shared expert.
+
+    `chunk_tokens` (set by activation_checkpoint.py from activation_checkpoint.moe_chunk_tokens, never by hand): when
+    positive and smaller than the tokens, the routed experts (permutation, grouped GEMMs, combine) run over token
+    chunks of that many tokens, each checkpointed: backward holds one chunk's expert activations at a time and
+    recomputes them, for long sequences (at T = 64K the proxy's expert activations were ~25 GiB of one layer). The
+    router runs over all tokens first, so routing, its statistics and the balance loss are those of the whole
+    sequence, and every token's output is the unchunked one."""
 
     def __init__(self, args: Glm5ModelArgs) -> None:
         super().__init__()
@@ -122,22 +130,34 @@ class MoE(nn.Module):
         self.shared_experts = DenseMLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts,
                                        swiglu_limit=args.swiglu_limit, role="shared_expert")
         self.init_std = args.initializer_range
+        self.chunk_tokens = 0
 
     def forward(self, x: torch.Tensor, *, seq_aux: bool = False) -> tuple[torch.Tensor, MoEStats]:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         scores, idx, weights = self.gate(flat)
-        experts = idx.flatten()
-        order = torch.argsort(experts, stable=True)
-        token = order // self.top_k
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
-            0, experts, torch.ones_like(experts))  # static shape (bincount is data-dependent under compile)
-        routed = self.experts(flat[token], counts)
-        routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
-        out = torch.zeros_like(flat).index_add(0, token, routed.to(flat.dtype))
+        n, chunk = flat.shape[0], self.chunk_tokens
+        if 0 < chunk < n:
+            parts = [checkpoint(self._routed, flat[s:s + chunk], idx[s:s + chunk], weights[s:s + chunk],
+                                use_reentrant=False, preserve_rng_state=False) for s in range(0, n, chunk)]
+            out = torch.cat([o for o, _ in parts])
+            counts = torch.stack([c for _, c in parts]).sum(0)
+        else:
+            out, counts = self._routed(flat, idx, weights)
         out = out.view(shape) + self.shared_experts(x)
         aux = sequence_aux_loss(scores, idx, batch=shape[0], top_k=self.top_k) if seq_aux else scores.new_zeros(())
         return out, MoEStats(counts, aux)
+
+    def _routed(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [N, D] through their top-k experts (ids, weights [N, k]) -> (weighted sum [N, D], rows per expert)."""
+        experts = idx.flatten()
+        order = torch.argsort(experts, stable=True)
+        token = order // self.top_k
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+            0, experts, torch.ones_like(experts))  # static shape (bincount is data-dependent under compile)
+        routed = self.experts(flat[token], counts)
+        routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
+        return torch.zeros_like(flat).index_add(0, token, routed.to(flat.dtype)), counts
 
     def init_weights(self) -> None:
         self.gate.init_weights()

@@ -170,6 +170,7 @@ def parallelize_glm5(
     ac_mode: str,
     compile_enable: bool,
     recompute_modules: tuple[str, ...] | list[str] = (),
+    moe_chunk_tokens: int = 0,
     compile_backend: str = "inductor",
     compile_mode: str = "default",
     compile_components: list[str] | None = None,
@@ -191,7 +192,8 @@ def parallelize_glm5(
     if ep is not None and ep.size() > 1:
         experts = apply_expert_parallel(model, ep_mesh=ep, expert_mesh=meshes["experts"] if sharded_experts else None,
                                         grad_scale=1.0 / dp_cp_size)
-    apply_activation_checkpointing(model, mode=ac_mode, recompute_modules=recompute_modules)
+    apply_activation_checkpointing(model, mode=ac_mode, recompute_modules=recompute_modules,
+                                   moe_chunk_tokens=moe_chunk_tokens)
     if compile_enable:
         apply_compile(model, backend=compile_backend, mode=compile_mode, components=compile_components or ["model"])
 
