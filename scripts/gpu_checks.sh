@@ -13,6 +13,8 @@
 #   decode == forward), scripts/rollout_agreement.py on the proxy (ROLLOUT_PRECISIONS; on the proxy trained
 #   ROLLOUT_TRAIN_STEPS=30 steps first, 0 = random weights, or ROLLOUT_SOURCE="--hf DIR"/"--checkpoint DIR") and
 #   scripts/bench_decode.py.
+#   fp8curve (issue 8): 200 proxy steps through train.py, BF16 and the FP8 split (FP8CURVE_PREC, one per call),
+#   compared by scripts/compare_runs.py (end means within 1%).
 #   multigpu (issue 15; needs a multi-GPU kind): train.py on the proxy with FSDP2 x EP over N GPUs for each N in
 #   MULTI_N (default 1 2 4 8, up to the GPUs present), FP8 split on, MULTI_STEPS steps, one log per N (tokens/s,
 #   MFU, peak memory per GPU in its metric lines; weak scaling = tokens/s per GPU at N / at 1); then CP = 2 x EP on
@@ -85,6 +87,21 @@ case " $STAGES " in *" proxytrain "*)
   timeout "${PROXY_TIMEOUT:-540}" torchrun --nproc-per-node 1 train.py --config train_configs/glm5_3_flash_proxy.toml \
       --training.steps "${PROXY_STEPS:-30}" --metrics.log_freq 5 --checkpoint.enable false \
       --metrics.enable_tensorboard false --job.dump_folder "$OUT/proxy_train" ${PROXY_ARGS:-} 2>&1 | tee "$OUT/proxy_train.log" ;;
+esac
+case " $STAGES " in *" fp8curve "*)
+  # issue 8: 200 proxy steps through train.py in BF16 and in the FP8 split, same seed and data, every step logged;
+  # one precision per device call (FP8CURVE_PREC="bf16" then "fp8"): the runs stay under $CACHE while the machine
+  # is warm and their TensorBoard events come back in $OUT; scripts/compare_runs.py compares the end of the curves.
+  for prec in ${FP8CURVE_PREC:-bf16 fp8}; do
+    extra=""; [ "$prec" = fp8 ] && extra="--float8.enable true"
+    timeout "${FP8CURVE_TIMEOUT:-560}" torchrun --nproc-per-node 1 train.py --config train_configs/glm5_3_flash_proxy.toml \
+        --training.steps "${FP8CURVE_STEPS:-200}" --training.seq_len "${FP8CURVE_SEQ:-4096}" --metrics.log_freq 1 \
+        --checkpoint.enable false --job.dump_folder "$CACHE/fp8curve/$prec" $extra ${FP8CURVE_ARGS:-} 2>&1 \
+        | tee "$OUT/fp8curve_$prec.log"
+    mkdir -p "$OUT/fp8curve_$prec" && cp -r "$CACHE/fp8curve/$prec/tb" "$OUT/fp8curve_$prec/"
+  done
+  [ -d "$CACHE/fp8curve/bf16/tb" ] && [ -d "$CACHE/fp8curve/fp8/tb" ] && python3 scripts/compare_runs.py \
+      "$CACHE/fp8curve/bf16" "$CACHE/fp8curve/fp8" --last 20 --max-rel 0.01 2>&1 | tee "$OUT/fp8curve_compare.log" ;;
 esac
 case " $STAGES " in *" serving "*)
   timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/gpu/test_decode_cuda.py -p no:cacheprovider 2>&1 \
