@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.compile.builders import BATCH, SEQLEN, build_model, make_batch, train_forward, training_loss
+from tests.compile.builders import BATCH, SEQLEN, build_model, debug_args, make_batch, train_forward, training_loss
 from tests.unit.test_recompute_modules import _Created
 from torchtitan_glm.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_glm.config import ActivationCheckpointConfig, ConfigError, JobConfig
@@ -50,7 +50,7 @@ def unchunked():
 def test_chunked_experts_match_unchunked(unchunked, mode, monkeypatch):
     ref_loss, ref_grads, ref_counts, _, _ = unchunked
     loss, grads, counts, _, calls = _step(mode, CHUNK, monkeypatch)
-    top_k = build_model(0).args.num_experts_per_tok
+    top_k = debug_args().num_experts_per_tok
     tokens = BATCH * SEQLEN
     # forward ran the experts chunk by chunk (rows = chunk tokens x top-k), in every MoE layer
     first = calls[:-(-tokens // CHUNK)]
@@ -70,7 +70,7 @@ def test_chunks_hold_fewer_bytes(unchunked):
 
 def test_chunk_as_large_as_the_tokens_changes_nothing(unchunked, monkeypatch):
     loss, _, _, _, calls = _step("none", BATCH * SEQLEN, monkeypatch)
-    assert all(c == BATCH * SEQLEN * build_model(0).args.num_experts_per_tok for c in calls)
+    assert calls and all(c == BATCH * SEQLEN * debug_args().num_experts_per_tok for c in calls)
     assert torch.equal(loss, unchunked[0])
 
 

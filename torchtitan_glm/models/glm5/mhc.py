@@ -36,6 +36,7 @@ class _RmsLinear(torch.autograd.Function):
         width = x.shape[-1]
         xs, gs, rs = x.reshape(-1, width), grad_out.reshape(-1, grad_out.shape[-1]).float(), r.reshape(-1, 1)
         rows = max(1, _BWD_CHUNK_ELEMENTS // width)
+        wf = weight.float()
         dx = torch.empty_like(xs) if ctx.needs_input_grad[0] else None
         dw = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         for s in range(0, xs.shape[0], rows):
@@ -43,7 +44,7 @@ class _RmsLinear(torch.autograd.Function):
             if dw is not None:
                 dw += gs[s:s + rows].t() @ xn
             if dx is not None:
-                g = gs[s:s + rows] @ weight.float()
+                g = gs[s:s + rows] @ wf
                 dx[s:s + rows] = (rs[s:s + rows] * (g - xn * (g * xn).mean(-1, keepdim=True))).to(dx.dtype)
         return (None if dx is None else dx.view(x.shape)), (None if dw is None else dw.to(weight.dtype)), None
 
