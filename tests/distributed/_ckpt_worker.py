@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_glm.config import CheckpointConfig
 from torchtitan_glm.components.checkpoint import CheckpointManager, list_checkpoints
+from torchtitan_glm.components.errors import exit_now
 
 
 def _Cfg(**overrides) -> CheckpointConfig:  # noqa: N802 - reads like the dataclass it builds
@@ -176,3 +177,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # no interpreter teardown after the process group is gone (see exit_now)

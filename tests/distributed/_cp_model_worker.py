@@ -12,6 +12,7 @@ from torchtitan_glm.components.loss import indexer_kl_loss
 from torchtitan_glm.distributed.cp_layout import CPLayout
 from torchtitan_glm.models.glm5 import Glm5Model, get_flavor
 from torchtitan_glm.models.glm5.batch import train_batch
+from torchtitan_glm.components.errors import exit_now
 
 
 def close(name, got, want, tol=2e-5, floor=1e-8):
@@ -74,3 +75,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # no interpreter teardown after the process group is gone (see exit_now)

@@ -4,7 +4,6 @@ fp32 round-off (the same global scales); rowwise takes the plain styles, whose r
 over its local K shard, so it agrees to FP8 rounding only."""
 
 import copy
-import sys
 
 import torch
 import torch.distributed as dist
@@ -15,6 +14,7 @@ from torchtitan_glm.config import Float8Config
 from torchtitan_glm.float8 import convert_float8
 from torchtitan_glm.models.glm5.layers import DenseMLP
 from torchtitan_glm.models.glm5.parallelize import tp_plan_mlp
+from torchtitan_glm.components.errors import exit_now
 
 
 class Holder(torch.nn.Module):  # convert_float8 reads roles from the blocks, as in the model
@@ -60,4 +60,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main() or 0)  # no interpreter teardown after the process group is gone (see exit_now)

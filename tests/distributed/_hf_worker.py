@@ -27,6 +27,7 @@ from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs
 from torchtitan_glm.models.glm5.hf_distributed import load_hf_weights_into, save_hf_from_sharded
 from torchtitan_glm.models.glm5.hf_io import from_pretrained
 from torchtitan_glm.models.glm5.parallelize import parallelize_glm5
+from torchtitan_glm.components.errors import exit_now
 
 LAYOUTS = {"fsdp": dict(data_parallel_shard_degree=2), "tp": dict(data_parallel_shard_degree=1, tensor_parallel_degree=2),
            "ep": dict(data_parallel_shard_degree=2, expert_parallel_degree=2)}
@@ -137,4 +138,4 @@ def check_layouts(work: Path, rank: int, layouts: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main() or 0)  # no interpreter teardown after the process group is gone (see exit_now)

@@ -2,7 +2,6 @@
 contiguous slots) against the whole rows on one rank, forward and gradients, documents crossing rank boundaries."""
 
 import gc
-import sys
 
 import torch
 import torch.distributed as dist
@@ -12,6 +11,7 @@ from torchtitan_glm.models.glm5.kda import ShortConv
 from torchtitan_glm.models.glm5.seqinfo import doc_positions
 from torchtitan_glm.ops.kda import kda_reference
 from torchtitan_glm.ops.kda_cp import conv_halo, kda_cp
+from torchtitan_glm.components.errors import exit_now
 
 H, K, V, T = 2, 8, 6, 64
 
@@ -102,4 +102,4 @@ def checks(rank: int, cp: int, group: dist.ProcessGroup) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main() or 0)  # no interpreter teardown after the process group is gone (see exit_now)

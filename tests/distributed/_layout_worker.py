@@ -24,6 +24,7 @@ from torchtitan_glm.distributed.parallel_dims import ParallelDims, validate_mode
 from torchtitan_glm.models.glm5 import Glm5Model, get_flavor
 from torchtitan_glm.models.glm5.model import mtp_targets
 from torchtitan_glm.models.glm5.parallelize import parallelize_glm5
+from torchtitan_glm.components.errors import exit_now
 
 STEPS, ROWS, T = 2, 4, 32
 RATE = 1e-2  # router-bias update rate, large enough to change routing between steps
@@ -148,4 +149,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main() or 0)  # no interpreter teardown after the process group is gone (see exit_now)

@@ -13,6 +13,7 @@ from torchtitan_glm.models.glm5.kda import KDADecay, ShortConv
 from torchtitan_glm.models.glm5.mhc import HyperConnection
 from torchtitan_glm.config import ParallelismConfig
 from torchtitan_glm.models.glm5.parallelize import parallelize_glm5
+from torchtitan_glm.components.errors import exit_now
 
 
 def main() -> None:
@@ -86,4 +87,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main() or 0)  # no interpreter teardown after the process group is gone (see exit_now)

@@ -13,6 +13,7 @@ from tests.unit.test_planner_activations import SEQ, captured_model
 from torchtitan_glm.components.loss import indexer_kl_loss
 from torchtitan_glm.distributed.cp_layout import CPLayout
 from torchtitan_glm.models.glm5.batch import train_batch
+from torchtitan_glm.components.errors import exit_now
 
 
 def measure(ac: str, kl: str, group, rank: int, world: int) -> dict[str, int]:
@@ -36,3 +37,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # no interpreter teardown after the process group is gone (see exit_now)

@@ -4,7 +4,6 @@ the whole global batch; with AVG and with the SUM + multiply fallback; and a sum
 same comparison (the check is sensitive to it).  usage: _replicated_grads_worker.py"""
 
 import copy
-import sys
 
 import torch
 import torch.distributed as dist
@@ -15,6 +14,7 @@ from torchtitan_glm.distributed import replicated as rep_mod
 from torchtitan_glm.distributed.parallel_dims import ParallelDims
 from torchtitan_glm.models.glm5 import Glm5Model, get_flavor
 from torchtitan_glm.models.glm5.parallelize import parallelize_glm5
+from torchtitan_glm.components.errors import exit_now
 
 ROWS, T = 4, 32
 
@@ -91,4 +91,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main() or 0)  # no interpreter teardown after the process group is gone (see exit_now)

@@ -158,12 +158,17 @@ def run_job(fn: Callable[[], Any]) -> None:
         _abort_process_group()
         if not report.first:
             time.sleep(_FOLLOWER_EXIT_DELAY_S)
-        _exit(report.exit_code)
+        exit_now(report.exit_code)
 
 
-def _exit(code: int) -> None:
-    """Exit without interpreter teardown: background threads (an async checkpoint write, a blocked collective)
-    could otherwise keep a failed rank alive."""
+def exit_now(code: int) -> None:
+    """Flush the logs and streams, then exit without interpreter teardown.
+
+    After an error, background threads (an async checkpoint write, a blocked collective) could otherwise keep a
+    failed rank alive. After a finished distributed run, the teardown destroys c10d objects still referenced from
+    Python (device meshes, compiled graphs) after their threads: on CPU/gloo that aborted (SIGABRT, "terminate
+    called without an active exception") ranks whose run had completed and saved everything (torch 2.13, seen in
+    CI in 3 of ~20 torchrun tests of one run)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
