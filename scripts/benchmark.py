@@ -205,7 +205,8 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
             device: torch.device, dtype: torch.dtype, backend: str, scope: str, profile: bool, indexer_kl: str,
             docs: int, tile_elements: int, float8: str | None = None,
             weights: dict[str, torch.Tensor] | None = None, recompute_modules: tuple[str, ...] = (),
-            dsa_dense_max_len: int | None = None, memory_profile: bool = False, moe_chunk_tokens: int = 0) -> dict:
+            dsa_dense_max_len: int | None = None, memory_profile: bool = False, moe_chunk_tokens: int = 0,
+            offload_inputs: bool = False) -> dict:
     """One timed run of this repo's model; from `weights` (our names) when given, else from its own init."""
     args = model_args(flavor, scope=scope, tile_elements=tile_elements, dsa_dense_max_len=dsa_dense_max_len)
     train_scope = scope == "train"
@@ -222,7 +223,7 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
     configure_inductor_for_float8(cfg=f8)
     recompute_modules = recompute_modules if ac == "selective" else ()
     apply_activation_checkpointing(model, mode=ac, recompute_modules=recompute_modules,
-                                   moe_chunk_tokens=moe_chunk_tokens)
+                                   moe_chunk_tokens=moe_chunk_tokens, offload_inputs=offload_inputs and ac == "full")
     if compiled:
         apply_compile(model, backend=backend, components=["model", "loss"])
     tokens, labels, doc_ids = make_inputs(vocab=args.vocab_size, seq_len=seq_len, batch=batch, docs=docs,
@@ -265,7 +266,7 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
                   peak_mem_gib=round(timed["peak"], 4), warmup_s=round(timed["warmup_s"], 1),
                   tflops=round(tps * flops_per_token(args, seq_len) / 1e12, 1), loss=timed["loss"],
                   tokens_sha1=digest(tokens), dsa_dense_max_len=args.dsa_dense_max_len,
-                  moe_chunk_tokens=moe_chunk_tokens)
+                  moe_chunk_tokens=moe_chunk_tokens, offload_inputs=offload_inputs and ac == "full")
     del model
     gc.collect()
     if device.type == "cuda":
@@ -297,6 +298,9 @@ def main() -> None:
                         "indexer, mla_up_proj, sparse_attn, moe, mlp)")
     p.add_argument("--moe-chunk-tokens", type=int, default=0,
                    help="activation_checkpoint.moe_chunk_tokens: routed experts over checkpointed token chunks (0 = off)")
+    p.add_argument("--offload-inputs", action="store_true",
+                   help="activation_checkpoint.offload_inputs for the full-AC runs: their blocks' saved inputs in "
+                        "pinned host memory")
     p.add_argument("--float8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
@@ -375,7 +379,7 @@ def main() -> None:
                             tile_elements=tile_elements, float8=a.float8_recipe if fp8 == ["fp8"] else None,
                             weights=weights, recompute_modules=recompute, dsa_dense_max_len=dense_max,
                             memory_profile=a.memory_profile and device.type == "cuda",
-                            moe_chunk_tokens=a.moe_chunk_tokens)
+                            moe_chunk_tokens=a.moe_chunk_tokens, offload_inputs=a.offload_inputs)
             except torch.cuda.OutOfMemoryError as e:
                 r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=ac,
                          float8=a.float8_recipe if fp8 == ["fp8"] else "off", oom=str(e).split(".")[0])

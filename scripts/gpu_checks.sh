@@ -5,8 +5,8 @@
 #   STAGES="tests" / "bench" / "fp8" / "train" select parts; *_TIMEOUT bound each part. fp8: the CUDA FP8 tests,
 #   scripts/precision_agreement.py on the proxy, and BF16 vs FP8-split benchmark runs (FP8_RUNS, FP8_SEQ, FP8_SCOPE).
 #   longctx: the Triton sparse-MLA tests, scripts/bench_dsa.py (DSA_SEQ; alone: dsa) and the proxy's sequence-length
-#   sweep with the sparse indexer KL (SWEEP_SEQ, SWEEP_RUNS, SWEEP_KL, SWEEP_MOE_CHUNK; alone: sweep; one compile per T, so split
-#   long compiled sweeps across calls).
+#   sweep with the sparse indexer KL (SWEEP_SEQ, SWEEP_RUNS, SWEEP_KL, SWEEP_MOE_CHUNK, SWEEP_OFFLOAD=1 for the full-AC
+#   blocks' inputs in host memory; alone: sweep; one compile per T, so split long compiled sweeps across calls).
 #   speed (issue 12): scripts/bench_kda.py (KDA_SEQ; alone: kda), scripts/benchmark.py --against transformers (AGAINST_SEQ, AGAINST_RUNS; needs transformers
 #   >= 5.23 importable). proxytrain: train.py on train_configs/glm5_3_flash_proxy.toml (PROXY_STEPS, PROXY_ARGS).
 #   serving: the CUDA decode tests (FLA recurrent KDA, prefill states, sparse MLA over the latent cache, debug model
@@ -71,7 +71,8 @@ esac
 case " $STAGES " in *" longctx "*|*" sweep "*)
   timeout "${SWEEP_TIMEOUT:-540}" python3 scripts/benchmark.py --flavor glm5_3_flash_proxy --seq-len "${SWEEP_SEQ:-sweep}" \
       --steps "${SWEEP_STEPS:-3}" --warmup 1 --docs 3 --runs "${SWEEP_RUNS:-compiled:auto}" --indexer-kl "${SWEEP_KL:-sparse}" \
-      --moe-chunk-tokens "${SWEEP_MOE_CHUNK:-16384}" --out "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" ;;
+      --moe-chunk-tokens "${SWEEP_MOE_CHUNK:-16384}" ${SWEEP_OFFLOAD:+--offload-inputs} --out "$OUT/sweep.json" 2>&1 \
+      | tee "$OUT/sweep.log" ;;
 esac
 case " $STAGES " in *" speed "*|*" kda "*)
   timeout "${KDA_BENCH_TIMEOUT:-200}" python3 scripts/bench_kda.py --seq-len "${KDA_SEQ:-8192}" \

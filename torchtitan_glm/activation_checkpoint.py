@@ -196,14 +196,52 @@ def wrap_block(block: nn.Module, *, mode: str, recompute_modules: Iterable[str] 
     raise ValueError(f"activation_checkpoint.mode must be one of {MODES}, got {mode!r}")
 
 
+class HostOffload:
+    """Saved-tensor hooks that keep what a full-AC block saves for backward (its inputs: the mHC streams, a shared
+    layer's token indices) in pinned host memory, copied back when backward recomputes the block.
+
+    torch.autograd.graph.save_on_cpu does the same with a blocking device-to-host copy (a host sync per block);
+    these copies are non-blocking on the current stream, which orders them before any later reuse of the device
+    memory, and the pinned host allocator tracks the copies back. Parameters pass through (FSDP2 re-gathers them).
+    copy_host_tensors: copy host tensors too (CPU tests of the round trip); `offloaded_bytes` counts the copies."""
+
+    def __init__(self, *, copy_host_tensors: bool = False) -> None:
+        self.copy_host_tensors = copy_host_tensors
+        self.offloaded_bytes = 0
+
+    def _pack(self, t: torch.Tensor):
+        if isinstance(t, nn.Parameter) or (t.device.type == "cpu" and not self.copy_host_tensors):
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda")
+        host.copy_(t, non_blocking=True)
+        self.offloaded_bytes += host.numel() * host.element_size()
+        return t.device, host
+
+    @staticmethod
+    def _unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return host.to(device, non_blocking=True)
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """A fresh context for one block call."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+
 def apply_activation_checkpointing(model: nn.Module, *, mode: str, recompute_modules: Iterable[str] = (),
-                                   moe_chunk_tokens: int = 0) -> None:
+                                   moe_chunk_tokens: int = 0, offload_inputs: bool = False) -> None:
     """Wrap every decoder layer and the MTP layer of a Glm5Model in place. moe_chunk_tokens > 0 runs every MoE's
-    routed experts over checkpointed token chunks of that many tokens (models/glm5/moe.py::MoE), in any mode."""
+    routed experts over checkpointed token chunks of that many tokens (models/glm5/moe.py::MoE), in any mode.
+    offload_inputs (full only): the blocks' saved inputs wait for backward in host memory (HostOffload)."""
     from torchtitan_glm.models.glm5.moe import MoE
 
     if moe_chunk_tokens < 0:
         raise ValueError(f"activation_checkpoint.moe_chunk_tokens must be >= 0, got {moe_chunk_tokens}")
+    if offload_inputs and mode != "full":
+        raise ValueError(f"activation_checkpoint.offload_inputs needs mode 'full' (what a full-AC block saves is its "
+                         f"inputs), not {mode!r}")
+    model.block_offload = HostOffload() if offload_inputs else None
     for m in model.modules():
         if isinstance(m, MoE):
             m.chunk_tokens = moe_chunk_tokens

@@ -493,12 +493,15 @@ class ActivationCheckpointConfig(_Section):
     shared expert), "mlp" (dense layers' MLP); Megatron's "moe_act" is accepted and is what selective already does.
     moe_chunk_tokens (any mode; 0 = off): the routed experts run over token chunks of this many tokens, each
     checkpointed, so backward holds one chunk's expert activations (long sequences; one more expert forward).
+    offload_inputs (mode "full" only): what each checkpointed block keeps for backward, its inputs (the mHC
+    streams, a shared DSA layer's token indices), waits in pinned host memory and is copied back for the recompute.
     """
 
     SECTION: ClassVar[str] = "activation_checkpoint"
     mode: str = "none"
     recompute_modules: list[str] = field(default_factory=list)
     moe_chunk_tokens: int = 0
+    offload_inputs: bool = False
 
     def validate(self) -> None:
         from torchtitan_glm.activation_checkpoint import IMPLIED_BY_SELECTIVE, RECOMPUTE_MODULES
@@ -511,6 +514,9 @@ class ActivationCheckpointConfig(_Section):
                 self._fail("recompute_modules", f"unknown module {name!r}; choose from {list(RECOMPUTE_MODULES)}")
         self._require(len(set(self.recompute_modules)) == len(self.recompute_modules), "recompute_modules",
                       "has duplicates")
+        if self.offload_inputs and self.mode != "full":
+            self._fail("offload_inputs", f"offloads what a full-AC block saves (its inputs), so it needs "
+                       f"activation_checkpoint.mode = 'full', not {self.mode!r}")
         if self.recompute_modules and self.mode != "selective":
             self._fail("recompute_modules", f"{self.recompute_modules} refines mode 'selective' (what selective "
                        f"saves, these parts recompute), not mode {self.mode!r}: set "

@@ -159,6 +159,7 @@ class Trainer:
             reduce_dtype=cfg.training.mixed_precision_reduce, ac_mode=cfg.activation_checkpoint.mode,
             recompute_modules=cfg.activation_checkpoint.recompute_modules,
             moe_chunk_tokens=cfg.activation_checkpoint.moe_chunk_tokens,
+            offload_inputs=cfg.activation_checkpoint.offload_inputs,
             compile_enable=cfg.compile.enable, compile_backend=cfg.compile.backend, compile_mode=cfg.compile.mode,
             compile_components=cfg.compile.components, cpu_offload=cfg.optimizer.cpu_offload,
             expert_fsdp=cfg.parallelism.expert_fsdp)

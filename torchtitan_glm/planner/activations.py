@@ -19,9 +19,11 @@ the indexer are whole on every tensor-parallel rank.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torchtitan_glm.models.glm5.args import Glm5ModelArgs
+from torchtitan_glm.models.glm5.short_conv import BWD_CHUNK_ELEMENTS as CONV_BWD_CHUNK_ELEMENTS
 
 REGIMES = ("eager", "compiled", "selective", "full")
 FLA_CHUNK = 64  # FLA's KDA chunk: its saved Aqk/Akk have this many columns
@@ -43,6 +45,14 @@ class ActContext:
     sparse_kl: bool = False  # the KL over the selected pools only (loss.indexer_sparse_loss)
     cp: int = 1  # context-parallel degree: seq = keys / cp, and DSA all-gathers the whole rows (see _dsa)
     moe_chunk: int = 0  # activation_checkpoint.moe_chunk_tokens (0 = off)
+    offload_inputs: bool = False  # activation_checkpoint.offload_inputs: full AC's saved inputs in host memory
+    compiled: bool = True  # the blocks are compiled: under AC what a block holds while it runs is its compiled
+    # inventory, in eager its eager one
+
+    @property
+    def running(self) -> str:
+        """The regime whose inventory a checkpointed block holds while its forward or recompute runs."""
+        return "compiled" if self.compiled else "eager"
 
     @property
     def tokens(self) -> int:
@@ -130,20 +140,19 @@ def _kda(t: _Terms, regime: str) -> None:
         t.tok("kda", 2 * k * a + d * a)
         return
     if regime == "compiled":
-        t.tok("kda", 3 * hk * a + 3 * hk * a  # projections and their conv outputs
-              + 3 * (w - 1) * 4 * hk  # the shifted conv taps, FP32
+        t.tok("kda", 3 * hk * a + 3 * hk * a  # projections (the convs' inputs: short_conv.py) and conv outputs
               + 4 * hk + 4 * hk * a  # decay (FP32); f_b, KDA output, g_b, o_norm output
               + 4 * h + h * a, heads=True)  # o_norm rsqrt, beta
-        t.tok("kda", 2 * k * a + (w - 1) + 8)  # f_a/g_a outputs, tap masks, positions
+        t.tok("kda", 2 * k * a + 8)  # f_a/g_a outputs, positions (the convs recompute their tap masks)
         t.tok("block_out", d * a)  # o_proj output
         return
     if not c.fp32_params:
         t.fixed("kda", 3 * hk * w * 4 + k * 4)  # conv weights / o_norm weight .float() copies
-    t.tok("kda", 3 * ((w + 1) * 4 * hk + (w - 1) * 4)  # per conv: x.float(), W-1 shifted taps, SiLU input; masks
+    t.tok("kda", 3 * hk * a  # the convs' inputs (short_conv.py recomputes the rest)
           + 3 * hk * a  # q, k, v (the kernel's inputs)
-          + 3 * 4 * hk  # decay: gate, sigmoid output, the kernel's g
+          + hk * a + 4 * hk  # decay (kda_gate.py): the gate output; the kernel's g
           + h * a  # beta
-          + 4 * 4 * hk + 4 * h  # gated RMSNorm: x.float(), scaled, y, sigmoid(gate); rsqrt
+          + 2 * hk * a + 4 * h  # gated RMSNorm (gated_norm.py): the KDA output and the gate; rsqrt
           + hk * a, heads=True)  # o_proj input
     t.tok("kda", d * a + 2 * k * a + 8)  # the projections' input, f_a/g_a outputs, document ids
 
@@ -297,6 +306,8 @@ def saved(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bool = Fal
     ints = 8 * (3 if regime == "full" and ("dsa" in kind or kind == "mtp") else 2)
     if ctx.cp > 1 and regime == "full":
         ints = 0  # captured under CP: the checkpoint records no int64 input (tests/distributed/test_planner_cp.py)
+    if regime == "full" and ctx.offload_inputs:
+        return t.out  # the inputs wait in host memory (activation_checkpoint.HostOffload)
     if kind == "mtp":
         if regime != "eager":  # trunk hidden states, next-token embeddings (eager keeps their FP32 copies instead)
             t.tok("inputs", 2 * d * a + (ints if regime in ("full", "selective") else 0))
@@ -345,13 +356,13 @@ def _per_token(ctx: ActContext, nbytes: float, *, heads: bool = False) -> float:
 
 def forward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bool = False) -> float:
     """Bytes a block allocates during its forward beyond what it keeps (freed when it returns): under AC the
-    intermediates it does not keep (its compiled inventory), and in every regime the kernels' workspaces and the
+    intermediates it does not keep (its compiled or eager inventory: ActContext.running), and in every regime the kernels' workspaces and the
     indexer's query tiles. An estimate from the code (not measured per block)."""
     args, a = ctx.args, ctx.act
     work = 0.0
     if regime in ("full", "selective"):
         kept = sum(saved(kind, regime, ctx, shared_indexer=shared_indexer).values())
-        work += max(0.0, sum(saved(kind, "compiled", ctx, shared_indexer=shared_indexer).values()) - kept)
+        work += max(0.0, sum(saved(kind, ctx.running, ctx, shared_indexer=shared_indexer).values()) - kept)
     d, n = args.hidden_size, args.hc_mult
     work += _per_token(ctx, n * d * a)  # the block's output streams
     if kind.startswith("kda"):
@@ -393,9 +404,12 @@ def backward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bo
     work = 0.0
     if regime in ("full", "selective"):
         kept = sum(saved(kind, regime, ctx, shared_indexer=shared_indexer).values())
-        work += max(0.0, sum(saved(kind, "compiled", ctx, shared_indexer=shared_indexer).values()) - kept)
+        work += max(0.0, sum(saved(kind, ctx.running, ctx, shared_indexer=shared_indexer).values()) - kept)
         if regime == "full" and ("dsa" in kind or kind == "mtp"):
             work += _dsa_forward_work(ctx, indexer=not shared_indexer)
+        if regime == "full" and ctx.offload_inputs:  # the offloaded inputs, back on the device for the recompute
+            work += sum(saved(kind, regime, dataclasses.replace(ctx, offload_inputs=False),
+                              shared_indexer=shared_indexer).values())
     work += _per_token(ctx, 2 * n * d * a)  # gradients of the input and output streams
     if regime == "eager":
         work += _per_token(ctx, n * d * a)  # the mHC mapping's input gradient (mhc.rms_linear: BF16, FP32 in chunks)
@@ -404,6 +418,9 @@ def backward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bo
         # FLA chunk_kda backward: dq, dk, dg in FP32, dv, recomputed chunk states and their FP32 gradients
         work += _per_token(ctx, 3 * 4 * h * k + h * k * a + h * k * k * (a + 4) / FLA_CHUNK + 2 * 4 * h * FLA_CHUNK,
                            heads=True)
+        # a short conv's backward: x, the pre-activation, its sigmoid, g, a tap and dx in FP32 over one channel chunk
+        # (the gated norm's chunked backward, gated_norm.py, holds fewer of the same size)
+        work += 6 * 4 * min(_per_token(ctx, h * k, heads=True), CONV_BWD_CHUNK_ELEMENTS)
     if "dsa" in kind or kind == "mtp":
         h, dqk, dv, kvl = args.num_attention_heads, args.qk_head_dim, args.v_head_dim, args.kv_lora_rank
         if args.dsa_attention == "sparse":  # d(absorbed q), d(q_b output), d(o_proj input); FP32 d(latent)

@@ -225,7 +225,9 @@ def plan_layout(request: Request, cfg: JobConfig, inv: ModelInventory, layout: L
     ctx = ActContext(args=inv.args, batch=tr.local_batch_size, seq=tr.seq_len // layout.cp, keys=tr.seq_len,
                      act=act, tp=layout.tp, device="cuda", fp32_params=scope == "train", collect_stats=collect,
                      sparse_kl=cfg.loss.indexer_sparse_loss, cp=layout.cp,
-                     moe_chunk=cfg.activation_checkpoint.moe_chunk_tokens)
+                     moe_chunk=cfg.activation_checkpoint.moe_chunk_tokens,
+                     offload_inputs=cfg.activation_checkpoint.offload_inputs and regime == "full",
+                     compiled=cfg.compile.enable and "model" in cfg.compile.components)
     compiled_loss = cfg.compile.enable and "loss" in cfg.compile.components
     setup = StepSetup(scope=scope, regime=regime, param_bytes=act,
                       reduce_bytes=_DTYPE_BYTES[tr.mixed_precision_reduce], ce_chunk=cfg.loss.ce_chunk_size,

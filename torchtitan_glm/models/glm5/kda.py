@@ -15,11 +15,14 @@ from torchtitan_glm.ops.kda_decode import kda_prefill, kda_step
 from .args import Glm5ModelArgs
 from .batch import BatchLayout
 from .cache import KDACache
+from .gated_norm import gated_rms_norm
+from .kda_gate import kda_log_decay
 from .layers import init_linear, local_param
+from .short_conv import causal_conv_silu
 
 
 class ShortConv(nn.Module):
-    """Depthwise causal conv (kernel W) + SiLU, in FP32, restarted at document boundaries.
+    """Depthwise causal conv (kernel W) + SiLU, in FP32, restarted at document boundaries (short_conv.py).
 
     Written as W shifted multiply-adds rather than F.conv1d so that packed documents need no extra path: a tap
     that reaches into the previous document is masked to zero. Compile fuses it into one elementwise kernel.
@@ -37,22 +40,8 @@ class ShortConv(nn.Module):
         """x [B, T, C]; pos_in_doc [B, T] (None: one document per row). Under context parallelism the local T
         holds P slots of the row that are not adjacent, and halo [B, P, W-1, C] (ops.kda_cp.conv_halo) holds the
         W-1 tokens before each slot; pos_in_doc is then the position in the (global) document."""
-        xf = x.float()
-        w = local_param(self.weight).float().squeeze(1)  # [C, W]; tap W-1 multiplies x_t, W-1-j x_{t-j}
-        if halo is not None:
-            bsz, seqlen, ch = xf.shape
-            slots = halo.shape[1]
-            padded = torch.cat([halo.float(), xf.view(bsz, slots, seqlen // slots, ch)], dim=2)
-        out = xf * w[:, -1]
-        for j in range(1, self.kernel_size):
-            if halo is not None:
-                shifted = padded[:, :, self.kernel_size - 1 - j:padded.shape[2] - j].reshape(xf.shape)
-            else:
-                shifted = F.pad(xf[:, :-j], (0, 0, j, 0)) if j < xf.shape[1] else torch.zeros_like(xf)
-            if pos_in_doc is not None:
-                shifted = shifted * (pos_in_doc >= j).unsqueeze(-1).to(shifted.dtype)
-            out = out + shifted * w[:, -1 - j]
-        return F.silu(out).to(x.dtype)
+        # [C, W]; tap W-1 multiplies x_t, W-1-j x_{t-j}
+        return causal_conv_silu(x, local_param(self.weight).float().squeeze(1), pos_in_doc, halo)
 
     def init_weights(self, *, std: float) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=std)
@@ -74,11 +63,9 @@ class KDADecay(nn.Module):
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         """Per-channel log decay [B, T, H, K] in FP32 from the low-rank gate output f [B, T, H*K]."""
-        g = (f.float() + local_param(self.dt_bias).float()).unflatten(-1, (-1, self.head_dim))
-        rate = torch.exp(local_param(self.A_log).float()).view(-1, 1)  # heads: this rank's under TP
-        if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(rate * g)
-        return -rate * F.softplus(g)
+        # kda_gate.py; the heads: this rank's under TP
+        return kda_log_decay(f, local_param(self.A_log), local_param(self.dt_bias), head_dim=self.head_dim,
+                             lower_bound=self.lower_bound)
 
     def init_weights(self) -> None:
         # FLA/reference convention: A_log = 0 for the bounded ("safe") gate, else log U(1, 16);
@@ -94,7 +81,7 @@ class KDADecay(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """Per-head RMSNorm in FP32 times sigmoid(gate), one cast at the end."""
+    """Per-head RMSNorm in FP32 times sigmoid(gate), one cast at the end (gated_norm.py)."""
 
     def __init__(self, dim: int, *, eps: float) -> None:
         super().__init__()
@@ -102,9 +89,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * local_param(self.weight).float()
-        return (y * torch.sigmoid(gate.float())).to(x.dtype)
+        return gated_rms_norm(x, gate, local_param(self.weight), eps=self.eps)
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)

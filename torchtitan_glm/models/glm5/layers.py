@@ -62,6 +62,11 @@ def local_param(p: torch.Tensor) -> torch.Tensor:
     return p
 
 
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """t in FP32, or in its own dtype where that is wider (fp64: gradcheck of the FP32-computing Functions)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def init_linear(linear: nn.Linear, *, std: float) -> None:
     """Reference init of every Linear: N(0, initializer_range), zero bias."""
     nn.init.normal_(linear.weight, mean=0.0, std=std)

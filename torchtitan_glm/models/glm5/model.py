@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -51,6 +52,9 @@ class Glm5Model(nn.Module):
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.lm_head = LMHead(args.hidden_size, args.vocab_size)
         self.mtp = MTPLayer(args) if args.num_nextn_predict_layers == 1 else None
+        # activation_checkpoint.HostOffload when [activation_checkpoint] offload_inputs (set by
+        # apply_activation_checkpointing): each block call runs under its saved-tensor hooks
+        self.block_offload = None
         self.init_weights()
 
     # ------------------------------------------------------------------ entries
@@ -139,8 +143,11 @@ class Glm5Model(nn.Module):
         moe_stats: list[MoEStats] = []
         indexer_stats: list[IndexerStats] = []
         prev_indices = None
+        offload = self.block_offload if torch.is_grad_enabled() else None
         for layer in self.layers.values():
-            streams, indices, stats, mstats = layer(streams, batch, prev_indices if layer.shares_indices else None)
+            shared = prev_indices if layer.shares_indices else None
+            with offload.hooks() if offload is not None else contextlib.nullcontext():
+                streams, indices, stats, mstats = layer(streams, batch, shared)
             prev_indices = indices if indices is not None else prev_indices
             if stats is not None:
                 indexer_stats.append(stats)
@@ -152,7 +159,8 @@ class Glm5Model(nn.Module):
         if with_mtp and self.mtp is not None:
             if next_tokens is None:
                 next_tokens = torch.roll(tokens, shifts=-1, dims=1)
-            mtp_hidden, stats, mstats = self.mtp(hidden, self.embed_tokens(next_tokens), batch)
+            with offload.hooks() if offload is not None else contextlib.nullcontext():
+                mtp_hidden, stats, mstats = self.mtp(hidden, self.embed_tokens(next_tokens), batch)
             moe_stats.append(mstats)
             if stats is not None:
                 indexer_stats.append(stats)

@@ -171,6 +171,7 @@ def parallelize_glm5(
     compile_enable: bool,
     recompute_modules: tuple[str, ...] | list[str] = (),
     moe_chunk_tokens: int = 0,
+    offload_inputs: bool = False,
     compile_backend: str = "inductor",
     compile_mode: str = "default",
     compile_components: list[str] | None = None,
@@ -182,7 +183,8 @@ def parallelize_glm5(
     out of FSDP2 and how to keep them in sync (their gradient all-reduces overlap with backward, in buckets of
     `bucket_bytes`; distributed/replicated.py). cpu_offload: FSDP2 keeps the sharded parameters, their gradients
     (and so the optimizer's states) in (pinned, on a GPU) host memory; the parameters kept out of FSDP2 stay put.
-    expert_fsdp: shard the routed experts over the expert-data ranks too (see apply_expert_parallel)."""
+    expert_fsdp: shard the routed experts over the expert-data ranks too (see apply_expert_parallel). offload_inputs:
+    the full-AC blocks' saved inputs wait for backward in host memory (activation_checkpoint.HostOffload)."""
     tp, ep = meshes["tp"], meshes.get("ep")
     dp_cp_size = meshes["dp_cp"].size()
     if tp.size() > 1:
@@ -193,7 +195,7 @@ def parallelize_glm5(
         experts = apply_expert_parallel(model, ep_mesh=ep, expert_mesh=meshes["experts"] if sharded_experts else None,
                                         grad_scale=1.0 / dp_cp_size)
     apply_activation_checkpointing(model, mode=ac_mode, recompute_modules=recompute_modules,
-                                   moe_chunk_tokens=moe_chunk_tokens)
+                                   moe_chunk_tokens=moe_chunk_tokens, offload_inputs=offload_inputs)
     if compile_enable:
         apply_compile(model, backend=compile_backend, mode=compile_mode, components=compile_components or ["model"])
 

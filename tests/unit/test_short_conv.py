@@ -1,0 +1,105 @@
+"""The KDA short conv Function (models/glm5/short_conv.py): forward and gradients against an fp64 windowed reference
+(documents, halos, tokens fewer than taps, channel chunks), gradcheck, and that backward holds no FP32 copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchtitan_glm.models.glm5 import short_conv
+from torchtitan_glm.models.glm5.short_conv import causal_conv_silu
+
+
+def _reference(x, w, pos, halo):
+    """silu(sum_j [pos_t >= j] x_{t-j} w[:, W-1-j]) in fp64 from explicit W-token windows (unfold)."""
+    bsz, seqlen, ch = x.shape
+    kernel = w.shape[1]
+    slots = 1 if halo is None else halo.shape[1]
+    seq = x.double().reshape(bsz, slots, seqlen // slots, ch)
+    before = (torch.zeros(bsz, slots, kernel - 1, ch, dtype=torch.float64) if halo is None else halo.double())
+    seq = torch.cat([before, seq], dim=2)
+    win = seq.unfold(2, kernel, 1)  # [B, P, L, C, W]: window t holds x_{t-W+1} .. x_t
+    lag = torch.arange(kernel - 1, -1, -1)  # window slot i holds x_{t - lag[i]}
+    if pos is not None:
+        keep = (pos.reshape(bsz, slots, -1, 1, 1) >= lag).double()
+        win = win * keep
+    out = (win * w.double()).sum(-1).reshape(bsz, seqlen, ch)
+    return F.silu(out)
+
+
+def _case(seed, *, bsz=2, seqlen=24, ch=10, kernel=4, slots=0, docs=True, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(bsz, seqlen, ch, generator=g).to(dtype)
+    w = torch.randn(ch, kernel, generator=g) * 0.5
+    pos = None
+    if docs:
+        starts = torch.zeros(bsz, seqlen, dtype=torch.bool)
+        starts[:, 0] = True
+        starts[0, 5] = starts[0, 6] = True  # a one-token document
+        starts[-1, seqlen // 2 + 1] = True  # a restart mid-slot
+        idx = torch.arange(seqlen).expand(bsz, -1)
+        last_start = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+        pos = idx - last_start
+        if slots:  # positions continue into the halo's document (a global position under CP)
+            pos = pos + 2 * (~starts.cumsum(1).gt(1)).long()
+    halo = None if not slots else torch.randn(bsz, slots, kernel - 1, ch, generator=g).to(dtype)
+    return x, w, pos, halo
+
+
+@pytest.mark.parametrize("slots", [0, 1, 3])
+@pytest.mark.parametrize("docs", [False, True])
+def test_forward_and_gradients_match_fp64_windows(slots, docs, monkeypatch):
+    monkeypatch.setattr(short_conv, "BWD_CHUNK_ELEMENTS", 24 * 2 * 3)  # 3 channels per backward chunk
+    x, w, pos, halo = _case(0, slots=slots, docs=docs)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    if halo is not None:
+        halo.requires_grad_(True)
+    y = causal_conv_silu(x, w, pos, halo)
+    leaves = [t for t in (x, w, halo) if t is not None]
+    want_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    want = _reference(want_leaves[0], want_leaves[1], pos, want_leaves[2] if halo is not None else None)
+    torch.testing.assert_close(y.double(), want, rtol=1e-6, atol=1e-6)
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, leaves, dy)
+    expect = torch.autograd.grad(want, want_leaves, dy.double())
+    for name, a, b in zip(("x", "w", "halo"), got, expect):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_fewer_tokens_than_taps_per_slot():
+    """Two tokens per slot with a 4-tap kernel: the halo feeds taps past the slot's start."""
+    x, w, pos, halo = _case(1, seqlen=4, slots=2, docs=False)
+    for t in (x, w, halo):
+        t.requires_grad_(True)
+    y = causal_conv_silu(x, w, None, halo)
+    leaves = [t.detach().double().requires_grad_(True) for t in (x, w, halo)]
+    want = _reference(leaves[0], leaves[1], None, leaves[2])
+    torch.testing.assert_close(y.double(), want, rtol=1e-6, atol=1e-6)
+    dy = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad(y, (x, w, halo), dy), torch.autograd.grad(want, leaves, dy.double())):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+def test_gradcheck_fp64():
+    x, w, pos, halo = _case(2, bsz=1, seqlen=8, ch=3, kernel=3, slots=2)
+    args = (x.double().requires_grad_(True), w.double().requires_grad_(True), pos,
+            halo.double().requires_grad_(True))
+    assert torch.autograd.gradcheck(causal_conv_silu, args)
+
+
+def test_bf16_input_keeps_no_fp32_copy_for_backward():
+    """What autograd holds for backward: the BF16 input, the FP32 weight, the positions, nothing of [T, C] in FP32
+    (the plain expression kept W-1 FP32 shifted taps)."""
+    x, w, pos, _ = _case(3, seqlen=64, ch=16, dtype=torch.bfloat16)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    held = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t):
+        y = causal_conv_silu(x, w, pos)
+    big_fp32 = [t for t in held if t.dtype == torch.float32 and t.numel() >= x.numel()]
+    assert not big_fp32, [tuple(t.shape) for t in big_fp32]
+    assert any(t.dtype == torch.bfloat16 and t.shape == x.shape for t in held)
+    y.float().square().sum().backward()  # and the BF16 case runs its backward
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
