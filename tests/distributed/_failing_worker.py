@@ -11,6 +11,7 @@ import os
 import sys
 
 from torchtitan_glm import train
+from torchtitan_glm.components.errors import exit_now
 
 
 def main() -> None:
@@ -32,3 +33,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # a rank whose run ended normally: no interpreter teardown (see exit_now)

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_glm.config import load_config
 from torchtitan_glm.train import Trainer
+from torchtitan_glm.components.errors import exit_now
 
 
 def _storage_bytes(tensors) -> int:
@@ -54,4 +55,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main() or 0)  # no interpreter teardown after the process group is gone (see exit_now)

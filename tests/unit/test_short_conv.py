@@ -61,11 +61,11 @@ def test_forward_and_gradients_match_fp64_windows(slots, docs, monkeypatch):
     want_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
     want = _reference(want_leaves[0], want_leaves[1], pos, want_leaves[2] if halo is not None else None)
     torch.testing.assert_close(y.double(), want, rtol=1e-6, atol=1e-6)
-    dy = torch.randn_like(y)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y.dtype)
     got = torch.autograd.grad(y, leaves, dy)
     expect = torch.autograd.grad(want, want_leaves, dy.double())
     for name, a, b in zip(("x", "w", "halo"), got, expect):
-        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6 * float(b.abs().max()), msg=name)
 
 
 def test_fewer_tokens_than_taps_per_slot():
@@ -77,9 +77,9 @@ def test_fewer_tokens_than_taps_per_slot():
     leaves = [t.detach().double().requires_grad_(True) for t in (x, w, halo)]
     want = _reference(leaves[0], leaves[1], None, leaves[2])
     torch.testing.assert_close(y.double(), want, rtol=1e-6, atol=1e-6)
-    dy = torch.randn_like(y)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y.dtype)
     for a, b in zip(torch.autograd.grad(y, (x, w, halo), dy), torch.autograd.grad(want, leaves, dy.double())):
-        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
 
 
 def test_gradcheck_fp64():

@@ -139,6 +139,10 @@ def _kda(t: _Terms, regime: str) -> None:
         t.tok("kda", (3 * hk + hk + h + hk + hk) * a, heads=True)
         t.tok("kda", 2 * k * a + d * a)
         return
+    if c.cp > 1 and regime in ("compiled", "eager"):
+        # each conv's halo [B, 2 zigzag slots, W-1, H*K] and the global positions it masks with
+        t.fixed("kda", 3 * c.batch * 2 * (w - 1) * hk * a / c.tp)
+        t.tok("kda", 8)
     if regime == "compiled":
         t.tok("kda", 3 * hk * a + 3 * hk * a  # projections (the convs' inputs: short_conv.py) and conv outputs
               + 4 * hk + 4 * hk * a  # decay (FP32); f_b, KDA output, g_b, o_norm output
