@@ -200,28 +200,43 @@ class HostOffload:
     """Saved-tensor hooks that keep what a full-AC block saves for backward (its inputs: the mHC streams, a shared
     layer's token indices) in pinned host memory, copied back when backward recomputes the block.
 
-    torch.autograd.graph.save_on_cpu does the same with a blocking device-to-host copy (a host sync per block);
-    these copies are non-blocking on the current stream, which orders them before any later reuse of the device
-    memory, and the pinned host allocator tracks the copies back. Parameters pass through (FSDP2 re-gathers them).
-    copy_host_tensors: copy host tensors too (CPU tests of the round trip); `offloaded_bytes` counts the copies."""
+    torch.autograd.graph.save_on_cpu does the same with a blocking device-to-host copy (a host sync per block). Here
+    the device-to-host copy runs on a side stream, after the work that produced the tensor, overlapping the next
+    block's compute (record_stream keeps the tensor's memory from reuse until the copy is done); the copy back is
+    non-blocking on the current stream, and the pinned host allocator keeps the host buffer until it is done.
+    Parameters pass through (FSDP2 re-gathers them). copy_host_tensors: copy host tensors too (CPU tests of the
+    round trip); `offloaded_bytes` counts the copies."""
 
     def __init__(self, *, copy_host_tensors: bool = False) -> None:
         self.copy_host_tensors = copy_host_tensors
         self.offloaded_bytes = 0
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def _pack(self, t: torch.Tensor):
         if isinstance(t, nn.Parameter) or (t.device.type == "cpu" and not self.copy_host_tensors):
             return t
         host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda")
-        host.copy_(t, non_blocking=True)
+        copied = None
+        if t.device.type == "cuda":
+            stream = self._streams.setdefault(t.device, torch.cuda.Stream(t.device))
+            stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(stream):
+                host.copy_(t, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(stream)
+            t.record_stream(stream)
+        else:
+            host.copy_(t)
         self.offloaded_bytes += host.numel() * host.element_size()
-        return t.device, host
+        return t.device, host, copied
 
     @staticmethod
     def _unpack(packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        device, host = packed
+        device, host, copied = packed
+        if copied is not None:  # the copy back starts after the copy out has ended
+            torch.cuda.current_stream(device).wait_event(copied)
         return host.to(device, non_blocking=True)
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:

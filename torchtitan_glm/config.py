@@ -494,7 +494,8 @@ class ActivationCheckpointConfig(_Section):
     moe_chunk_tokens (any mode; 0 = off): the routed experts run over token chunks of this many tokens, each
     checkpointed, so backward holds one chunk's expert activations (long sequences; one more expert forward).
     offload_inputs (mode "full" only): what each checkpointed block keeps for backward, its inputs (the mHC
-    streams, a shared DSA layer's token indices), waits in pinned host memory and is copied back for the recompute.
+    streams, a shared DSA layer's token indices), waits in pinned host memory and is copied back for the recompute
+    (a CPU run has nothing to move).
     """
 
     SECTION: ClassVar[str] = "activation_checkpoint"

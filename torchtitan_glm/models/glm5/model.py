@@ -159,8 +159,9 @@ class Glm5Model(nn.Module):
         if with_mtp and self.mtp is not None:
             if next_tokens is None:
                 next_tokens = torch.roll(tokens, shifts=-1, dims=1)
+            next_embeds = self.embed_tokens(next_tokens)
             with offload.hooks() if offload is not None else contextlib.nullcontext():
-                mtp_hidden, stats, mstats = self.mtp(hidden, self.embed_tokens(next_tokens), batch)
+                mtp_hidden, stats, mstats = self.mtp(hidden, next_embeds, batch)
             moe_stats.append(mstats)
             if stats is not None:
                 indexer_stats.append(stats)
