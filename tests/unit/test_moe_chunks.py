@@ -65,7 +65,9 @@ def test_chunked_experts_match_unchunked(unchunked, mode, monkeypatch):
 def test_chunks_hold_fewer_bytes(unchunked):
     held_plain = unchunked[3]
     held_chunked = _step("none", CHUNK)[3]
-    assert held_chunked < held_plain * 0.9, (held_chunked, held_plain)
+    # chunks free the expert rows of all but one chunk: 9% of what the debug model holds here (its SwiGLU keeps gate
+    # and up only)
+    assert held_chunked < held_plain * 0.95, (held_chunked, held_plain)
 
 
 def test_chunk_as_large_as_the_tokens_changes_nothing(unchunked, monkeypatch):

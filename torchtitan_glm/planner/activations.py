@@ -266,7 +266,7 @@ def _dense_mlp(t: _Terms, regime: str, width: int, name: str) -> None:
     elif regime == "compiled":
         t.tok(name, 3 * width * a, heads=True)  # gate, up, their SwiGLU product
     else:
-        t.tok(name, 6 * width * a, heads=True)  # SwiGLU's clamps and products, down input
+        t.tok(name, 3 * width * a, heads=True)  # gate and up (layers.swiglu keeps only those), down input
         t.tok(name, d * a)  # input
 
 
@@ -292,7 +292,8 @@ def _moe(t: _Terms, regime: str) -> None:
         t.tok("block_out", 2 * d * a)  # the combine buffer and the MoE output
         return
     t.tok("router", 4 * d + 4 * e + 8 * k + 4 * k + 4)  # FP32 input, sigmoid, top-k ids, weights, norm
-    t.tok("experts", (2 * 8 * k + 2 * k + 3 * k * d * a + k * ie * a + 5 * k * ie * a) * c.expert_share)
+    # (the grouped SwiGLU keeps gate and up: layers.swiglu)
+    t.tok("experts", (2 * 8 * k + 2 * k + 3 * k * d * a + k * ie * a + 2 * k * ie * a) * c.expert_share)
     _dense_mlp(t, regime, shared, "shared_expert")
 
 
