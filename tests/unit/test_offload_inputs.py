@@ -82,3 +82,21 @@ def test_offload_needs_full_ac():
         JobConfig(activation_checkpoint=ActivationCheckpointConfig(mode="selective", offload_inputs=True)).validate()
     with pytest.raises(ValueError, match="offload_inputs"):
         apply_activation_checkpointing(build_model(0), mode="none", offload_inputs=True)
+
+
+def test_planner_moves_the_inputs_to_the_host_and_times_the_copies_back():
+    """The plan of the proxy at 128K, full AC: with offload_inputs the checkpointed inputs leave the device's
+    activations, the peak drops by at most their bytes, and the step gains their copies back at the host link's rate."""
+    from torchtitan_glm.planner import Request, plan
+    from torchtitan_glm.planner.hardware import GIB, H200
+
+    argv = ("--config", "train_configs/glm5_3_flash_proxy.toml", "--training.seq_len=131072",
+            "--activation_checkpoint.mode=full", "--activation_checkpoint.moe_chunk_tokens=16384")
+    kept = plan(Request(argv, 1, H200, "bench_train"))
+    moved = plan(Request((*argv, "--activation_checkpoint.offload_inputs=true"), 1, H200, "bench_train"))
+    inputs = kept.memory.activation_terms["inputs"]
+    assert inputs > 30 * GIB and "inputs" not in moved.memory.activation_terms
+    assert kept.memory.peak - inputs <= moved.memory.peak < kept.memory.peak
+    copies = moved.time.exposed_comm_s["offloaded block inputs, host to device"]
+    assert copies * H200.host_link == pytest.approx(inputs, rel=0.01)
+    assert moved.time.step_s == pytest.approx(kept.time.step_s + copies, rel=1e-6)

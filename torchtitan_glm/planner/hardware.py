@@ -35,6 +35,7 @@ class GpuSpec:
     ib_busbw: float  # assumption: the same across nodes (one 400 Gb/s NIC per GPU)
     a2a_efficiency: float  # assumption: all-to-all bandwidth as a fraction of the bus bandwidth of its span
     collective_latency_s: float  # assumption: fixed cost per collective call
+    host_link: float  # assumption: pinned host <-> device copies, one direction (activation_checkpoint.offload_inputs)
     # measured (derived): memory-bound time per token and decoder block by AC regime, the proxy benchmark's step
     # less every modelled term (docs/performance.md, planner section)
     elementwise_s_per_token_block: dict = dataclasses.field(default_factory=dict)
@@ -53,7 +54,8 @@ class GpuSpec:
             f"{self.fused_ce_s_per_token * 1e6:.2f} us per token, HBM {self.hbm_bandwidth / 1e12:.1f} TB/s",
             f"assumed: network: {self.gpus_per_node} GPUs per node, NVLink bus bandwidth {self.nvlink_busbw / g:.0f} "
             f"GB/s, InfiniBand {self.ib_busbw / g:.0f} GB/s per GPU, all-to-all at {self.a2a_efficiency:.0%} of "
-            f"those, {self.collective_latency_s * 1e6:.0f} us per collective",
+            f"those, {self.collective_latency_s * 1e6:.0f} us per collective; host link {self.host_link / g:.0f} GB/s "
+            "(offloaded block inputs)",
         ]
 
 
@@ -85,6 +87,7 @@ H200 = GpuSpec(
     ib_busbw=40e9,
     a2a_efficiency=0.8,
     collective_latency_s=30e-6,
+    host_link=50e9,  # PCIe Gen5 x16 is 64 GB/s per direction; not measured here
     # Residual of the proxy benchmark (current code) after every modelled term, per token and block (9 blocks with
     # MTP, 8 without): reference scope compiled, no AC: 273.8 ms measured - 203.5 modelled at T=4096 (2.15 us),
     # 596.0 - 486.9 at T=8192 (1.66 us), mean 1.90 us; training scope, selective: 432.3 - 325.9 ms at T=4096

@@ -19,11 +19,12 @@ parallel collectives and the replicated-gradient all-reduce are on the critical 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torchtitan_glm.components.metrics import flops_breakdown, flops_per_token
 
-from .activations import ActContext, selected_tokens
+from .activations import ActContext, saved, selected_tokens
 from .comms import Collective, fsdp_collectives, other_collectives
 from .hardware import GpuSpec
 from .layout import Layout
@@ -123,6 +124,11 @@ def plan_time(inv: ModelInventory, layout: Layout, gpu: GpuSpec, ctx: ActContext
     # the experts' own gathers and reduce-scatters (expert_fsdp) run inside their op: all exposed
     for c in [c for cs in fsdp.values() for c in cs if not c.overlapped] + others:
         exposed[c.name] = exposed.get(c.name, 0.0) + c.seconds
+    if ctx.offload_inputs:  # copies back on the compute stream, not prefetched: exposed (the copies out overlap)
+        kept = dataclasses.replace(ctx, offload_inputs=False)
+        moved = sum(sum(saved(u.kind, "full", kept, shared_indexer=u.shared_indexer).values())
+                    for u in inv.units if u.kind not in ("embed", "head") and (with_mtp or u.kind != "mtp"))
+        exposed["offloaded block inputs, host to device"] = moved / gpu.host_link
     step = total_compute + sum(exposed.values())
     tokens = layout.dp * local_batch * seq_len
     tps = tokens / step
