@@ -259,14 +259,16 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
         sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
         print(prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=60), flush=True)
     tps = batch * seq_len / timed["step_s"]
+    offloaded = offload_inputs and ac == "full"
+    ac_label = ac + "".join(f"+{m}" for m in recompute_modules) + ("+offload" if offloaded else "")
     result = dict(flavor=flavor, scope=scope, indexer_kl=indexer_kl if train_scope else None, seq_len=seq_len,
                   batch=batch, mode="compiled" if compiled else "eager",
-                  ac=ac + "".join(f"+{m}" for m in recompute_modules), float8=float8 or "off",
+                  ac=ac_label, float8=float8 or "off",
                   step_ms=round(timed["step_s"] * 1e3, 2), tokens_per_s=round(tps, 1),
                   peak_mem_gib=round(timed["peak"], 4), warmup_s=round(timed["warmup_s"], 1),
                   tflops=round(tps * flops_per_token(args, seq_len) / 1e12, 1), loss=timed["loss"],
                   tokens_sha1=digest(tokens), dsa_dense_max_len=args.dsa_dense_max_len,
-                  moe_chunk_tokens=moe_chunk_tokens, offload_inputs=offload_inputs and ac == "full")
+                  moe_chunk_tokens=moe_chunk_tokens, offload_inputs=offloaded)
     del model
     gc.collect()
     if device.type == "cuda":
