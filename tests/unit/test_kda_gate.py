@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan_glm.models.glm5 import kda_gate
+from torchtitan_glm.models.glm5 import layers
 from torchtitan_glm.models.glm5.kda_gate import kda_log_decay
 
 HEADS, DIM = 3, 8
@@ -39,7 +39,7 @@ def test_forward_is_the_plain_expression_bit_for_bit(lower_bound, dtype):
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 @pytest.mark.parametrize("chunk", [1 << 26, HEADS * DIM * 3])  # one chunk; 3 token rows per chunk
 def test_gradients_match_fp64_autograd(lower_bound, chunk, monkeypatch):
-    monkeypatch.setattr(kda_gate, "BWD_CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(layers, "BWD_CHUNK_ELEMENTS", chunk)
     leaves = [t.requires_grad_(True) for t in _inputs(torch.float32, seed=1)]
     y = kda_log_decay(*leaves, head_dim=DIM, lower_bound=lower_bound)
     ref = [t.detach().double().requires_grad_(True) for t in leaves]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtitan_glm.models.glm5 import mhc
+from torchtitan_glm.models.glm5 import layers, mhc
 from torchtitan_glm.models.glm5.mhc import HyperConnection, rms_linear
 
 
@@ -17,7 +17,7 @@ def _plain(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_linear_matches_autograd_of_the_plain_expression(monkeypatch, dtype):
-    monkeypatch.setattr(mhc, "_BWD_CHUNK_ELEMENTS", 256 * 10)  # 10-row chunks: 111 rows -> 12 chunks, last partial
+    monkeypatch.setattr(layers, "BWD_CHUNK_ELEMENTS", 256 * 10)  # 10-row chunks: 111 rows -> 12 chunks, last partial
     torch.manual_seed(0)
     x = (torch.randn(3, 37, 256) * 3).to(dtype).requires_grad_()
     w = (torch.randn(24, 256) * 0.02).requires_grad_()

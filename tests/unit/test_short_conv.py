@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan_glm.models.glm5 import short_conv
+from torchtitan_glm.models.glm5 import layers
 from torchtitan_glm.models.glm5.short_conv import causal_conv_silu
 
 
@@ -50,7 +50,7 @@ def _case(seed, *, bsz=2, seqlen=24, ch=10, kernel=4, slots=0, docs=True, dtype=
 @pytest.mark.parametrize("slots", [0, 1, 3])
 @pytest.mark.parametrize("docs", [False, True])
 def test_forward_and_gradients_match_fp64_windows(slots, docs, monkeypatch):
-    monkeypatch.setattr(short_conv, "BWD_CHUNK_ELEMENTS", 24 * 2 * 3)  # 3 channels per backward chunk
+    monkeypatch.setattr(layers, "BWD_CHUNK_ELEMENTS", 24 * 2 * 3)  # 3 channels per backward chunk
     x, w, pos, halo = _case(0, slots=slots, docs=docs)
     x.requires_grad_(True)
     w.requires_grad_(True)

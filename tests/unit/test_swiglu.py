@@ -35,7 +35,7 @@ def test_forward_is_the_plain_expression_bit_for_bit(dtype):
 
 @pytest.mark.parametrize("chunk", [1 << 26, 20 * 4])  # one chunk; 4 rows per chunk (the last one short)
 def test_gradients_match_fp64_autograd(chunk, monkeypatch):
-    monkeypatch.setattr(layers, "SWIGLU_BWD_CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(layers, "BWD_CHUNK_ELEMENTS", chunk)
     gate, up = (t.requires_grad_(True) for t in _inputs(torch.float32, seed=1))
     assert (gate.detach() > LIMIT).any() and (up.detach().abs() > LIMIT).any()  # both clamps are active somewhere
     y = swiglu(gate, up, LIMIT)

@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from torchtitan_glm.models.glm5.args import Glm5ModelArgs
-from torchtitan_glm.models.glm5.short_conv import BWD_CHUNK_ELEMENTS as CONV_BWD_CHUNK_ELEMENTS
+from torchtitan_glm.models.glm5.layers import BWD_CHUNK_ELEMENTS
 
 REGIMES = ("eager", "compiled", "selective", "full")
 FLA_CHUNK = 64  # FLA's KDA chunk: its saved Aqk/Akk have this many columns
@@ -425,7 +425,7 @@ def backward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bo
                            heads=True)
         # a short conv's backward: x, the pre-activation, its sigmoid, g, a tap and dx in FP32 over one channel chunk
         # (the gated norm's chunked backward, gated_norm.py, holds fewer of the same size)
-        work += 6 * 4 * min(_per_token(ctx, h * k, heads=True), CONV_BWD_CHUNK_ELEMENTS)
+        work += 6 * 4 * min(_per_token(ctx, h * k, heads=True), BWD_CHUNK_ELEMENTS)
     if "dsa" in kind or kind == "mtp":
         h, dqk, dv, kvl = args.num_attention_heads, args.qk_head_dim, args.v_head_dim, args.kv_lora_rank
         if args.dsa_attention == "sparse":  # d(absorbed q), d(q_b output), d(o_proj input); FP32 d(latent)

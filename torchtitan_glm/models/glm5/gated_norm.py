@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .layers import at_least_fp32
-
-# Elements per backward chunk (rows x head_dim): each recomputed FP32 intermediate is at most this large.
-BWD_CHUNK_ELEMENTS = 1 << 26
+from .layers import at_least_fp32, bwd_chunks
 
 
 class _GatedRmsNorm(torch.autograd.Function):
@@ -38,9 +35,7 @@ class _GatedRmsNorm(torch.autograd.Function):
         dx = torch.empty_like(xs) if want_x else None
         dgate = torch.empty_like(gs) if want_gate else None
         dw = torch.zeros(width, dtype=acc, device=x.device) if want_w else None
-        rows = max(1, BWD_CHUNK_ELEMENTS // width)
-        for s in range(0, xs.shape[0], rows):
-            part = slice(s, s + rows)
+        for part in bwd_chunks(xs.shape[0], width):
             xn = xs[part].to(acc) * rs[part]
             sg = torch.sigmoid(gs[part].to(acc))
             g = os_[part].to(acc)

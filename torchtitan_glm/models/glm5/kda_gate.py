@@ -6,20 +6,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .layers import at_least_fp32
-
-# Token rows per backward chunk: at most this many (rows x channels) elements per recomputed FP32 intermediate.
-BWD_CHUNK_ELEMENTS = 1 << 26
+from .layers import at_least_fp32, bwd_chunks
 
 
-def _decay(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, head_dim: int,
-           lower_bound: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(log decay [..., H, K], g = f + dt_bias as [..., H, K], rate = exp(A_log) as [H, 1]), in FP32 or wider."""
+def _gate_and_rate(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g = f + dt_bias as [..., H, K], rate = exp(A_log) as [H, 1]), in FP32 or wider."""
     g = (at_least_fp32(f) + at_least_fp32(dt_bias)).unflatten(-1, (-1, head_dim))
-    rate = torch.exp(at_least_fp32(a_log)).view(-1, 1)
-    if lower_bound is not None:
-        return lower_bound * torch.sigmoid(rate * g), g, rate
-    return -rate * F.softplus(g), g, rate
+    return g, torch.exp(at_least_fp32(a_log)).view(-1, 1)
 
 
 class _KdaDecay(torch.autograd.Function):
@@ -35,7 +29,10 @@ class _KdaDecay(torch.autograd.Function):
                 lower_bound: float | None) -> torch.Tensor:
         ctx.head_dim, ctx.lower_bound = head_dim, lower_bound
         ctx.save_for_backward(f, a_log, dt_bias)
-        return _decay(f, a_log, dt_bias, head_dim, lower_bound)[0]
+        g, rate = _gate_and_rate(f, a_log, dt_bias, head_dim)
+        if lower_bound is not None:
+            return lower_bound * torch.sigmoid(rate * g)
+        return -rate * F.softplus(g)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -47,10 +44,8 @@ class _KdaDecay(torch.autograd.Function):
         df = torch.empty_like(fs) if want_f else None
         d_rate = torch.zeros(a_log.shape[0], 1, dtype=acc, device=f.device)
         d_dt = torch.zeros(channels, dtype=acc, device=f.device)
-        rows = max(1, BWD_CHUNK_ELEMENTS // channels)
-        for s in range(0, fs.shape[0], rows):
-            part = slice(s, s + rows)
-            _, g, rate = _decay(fs[part], a_log, dt_bias, ctx.head_dim, None)
+        for part in bwd_chunks(fs.shape[0], channels):
+            g, rate = _gate_and_rate(fs[part], a_log, dt_bias, ctx.head_dim)
             d = gs[part].to(acc).unflatten(-1, g.shape[-2:])
             if ctx.lower_bound is not None:
                 sg = torch.sigmoid(rate * g)

@@ -26,8 +26,15 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-# Elements per chunk of the SwiGLU backward (rows x width): each FP32 intermediate it recomputes is at most this large.
-SWIGLU_BWD_CHUNK_ELEMENTS = 1 << 26
+# The recomputing backwards of the Functions that hold BF16 inputs (SwiGLU here, mhc.rms_linear, the KDA pieces):
+# each FP32 intermediate one chunk recomputes has at most this many elements (256 MiB).
+BWD_CHUNK_ELEMENTS = 1 << 26
+
+
+def bwd_chunks(items: int, elements_per_item: int) -> list[slice]:
+    """Slices over `items` (rows, or channels) for a chunked backward, at most BWD_CHUNK_ELEMENTS elements each."""
+    step = max(1, BWD_CHUNK_ELEMENTS // max(1, elements_per_item))
+    return [slice(s, s + step) for s in range(0, items, step)]
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -51,9 +58,7 @@ class _SwiGLU(torch.autograd.Function):
         acc = torch.promote_types(gate.dtype, torch.float32)
         gs, us, os_ = gate.reshape(-1, width), up.reshape(-1, width), grad_out.reshape(-1, width)
         d_gate, d_up = torch.empty_like(gs), torch.empty_like(us)
-        rows = max(1, SWIGLU_BWD_CHUNK_ELEMENTS // width)
-        for s in range(0, gs.shape[0], rows):
-            part = slice(s, s + rows)
+        for part in bwd_chunks(gs.shape[0], width):
             g, u, go = gs[part].to(acc), us[part].to(acc), os_[part].to(acc)
             gc = g.clamp(max=limit)
             sg = torch.sigmoid(gc)

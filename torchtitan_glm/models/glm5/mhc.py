@@ -9,9 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-# Rows of the FP32 working copy one backward chunk of _RmsLinear holds, over the row width (64 MiB in FP32).
-_BWD_CHUNK_ELEMENTS = 1 << 24
+from .layers import bwd_chunks
 
 
 class _RmsLinear(torch.autograd.Function):
@@ -35,17 +33,16 @@ class _RmsLinear(torch.autograd.Function):
         x, weight, r = ctx.saved_tensors
         width = x.shape[-1]
         xs, gs, rs = x.reshape(-1, width), grad_out.reshape(-1, grad_out.shape[-1]).float(), r.reshape(-1, 1)
-        rows = max(1, _BWD_CHUNK_ELEMENTS // width)
         wf = weight.float()
         dx = torch.empty_like(xs) if ctx.needs_input_grad[0] else None
         dw = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        for s in range(0, xs.shape[0], rows):
-            xn = xs[s:s + rows].float() * rs[s:s + rows]
+        for part in bwd_chunks(xs.shape[0], width):
+            xn = xs[part].float() * rs[part]
             if dw is not None:
-                dw += gs[s:s + rows].t() @ xn
+                dw += gs[part].t() @ xn
             if dx is not None:
-                g = gs[s:s + rows] @ wf
-                dx[s:s + rows] = (rs[s:s + rows] * (g - xn * (g * xn).mean(-1, keepdim=True))).to(dx.dtype)
+                g = gs[part] @ wf
+                dx[part] = (rs[part] * (g - xn * (g * xn).mean(-1, keepdim=True))).to(dx.dtype)
         return (None if dx is None else dx.view(x.shape)), (None if dw is None else dw.to(weight.dtype)), None
 
 

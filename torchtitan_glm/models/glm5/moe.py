@@ -148,7 +148,8 @@ class MoE(nn.Module):
         aux = sequence_aux_loss(scores, idx, batch=shape[0], top_k=self.top_k) if seq_aux else scores.new_zeros(())
         return out, MoEStats(counts, aux)
 
-    def _routed(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _routed(self, flat: torch.Tensor, idx: torch.Tensor,
+                weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [N, D] through their top-k experts (ids, weights [N, k]) -> (weighted sum [N, D], rows per expert)."""
         experts = idx.flatten()
         order = torch.argsort(experts, stable=True)

@@ -6,10 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .layers import at_least_fp32
-
-# Channels per backward chunk: at most this many (tokens x channels) FP32 elements per recomputed intermediate.
-BWD_CHUNK_ELEMENTS = 1 << 26
+from .layers import at_least_fp32, bwd_chunks
 
 
 def _shifted(xf: torch.Tensor, halo: torch.Tensor | None, j: int, kernel: int) -> torch.Tensor:
@@ -75,12 +72,10 @@ class _CausalConvSilu(torch.autograd.Function):
         masks = _masks(pos_in_doc, kernel, acc)
         slots = 1 if halo is None else halo.shape[1]
         ch = x.shape[-1]
-        step = max(1, BWD_CHUNK_ELEMENTS // max(1, x.shape[0] * x.shape[1]))
         dx = torch.empty_like(x) if want_x else None
         dhalo = torch.empty_like(halo) if want_halo and halo is not None else None
         dw = torch.empty_like(weight, dtype=acc) if want_w else None
-        for c in range(0, ch, step):
-            cs = slice(c, c + step)
+        for cs in bwd_chunks(ch, x.shape[0] * x.shape[1]):  # channel chunks (the conv is depthwise)
             xf, w = x[..., cs].to(acc), weight[cs].to(acc)
             hc = None if halo is None else halo[..., cs]
             pre = _pre_activation(xf, w, hc, masks)
