@@ -38,6 +38,7 @@ import gc
 import hashlib
 import json
 import math
+import resource
 import statistics
 import sys
 import time
@@ -63,6 +64,11 @@ from torchtitan_glm.models.glm5.hf_modeling import modeling_to_ours
 
 
 SWEEP = (4096, 8192, 16384, 32768, 65536, 131072)
+
+
+def host_peak_rss_gib() -> float:
+    """This process's peak resident host memory so far (pinned offload buffers included), GiB (Linux: KiB units)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def auto_ac(seq_len: int) -> str:
@@ -260,6 +266,8 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
         print(prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=60), flush=True)
     tps = batch * seq_len / timed["step_s"]
     offloaded = offload_inputs and ac == "full"
+    calls = steps + warmup + (device.type != "cuda" and not compiled)
+    offloaded_gib = model.block_offload.offloaded_bytes / calls / 2**30 if offloaded else 0.0
     ac_label = ac + "".join(f"+{m}" for m in recompute_modules) + ("+offload" if offloaded else "")
     result = dict(flavor=flavor, scope=scope, indexer_kl=indexer_kl if train_scope else None, seq_len=seq_len,
                   batch=batch, mode="compiled" if compiled else "eager",
@@ -268,7 +276,8 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
                   peak_mem_gib=round(timed["peak"], 4), warmup_s=round(timed["warmup_s"], 1),
                   tflops=round(tps * flops_per_token(args, seq_len) / 1e12, 1), loss=timed["loss"],
                   tokens_sha1=digest(tokens), dsa_dense_max_len=args.dsa_dense_max_len,
-                  moe_chunk_tokens=moe_chunk_tokens, offload_inputs=offloaded)
+                  moe_chunk_tokens=moe_chunk_tokens, offload_inputs=offloaded,
+                  offloaded_gib_per_step=round(offloaded_gib, 3), host_peak_rss_gib=round(host_peak_rss_gib(), 2))
     del model
     gc.collect()
     if device.type == "cuda":

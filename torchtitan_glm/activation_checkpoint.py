@@ -244,6 +244,14 @@ class HostOffload:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
 
+def offload_host_bytes(args, *, tokens: int, act_bytes: int, mtp: bool) -> int:
+    """Pinned host bytes one rank holds at the turn of a step under offload_inputs: every decoder layer's
+    [tokens, hc_mult, hidden] streams and each MTP layer's two [tokens, hidden] inputs, in the activations' dtype
+    (the int64 document inputs, 16-24 bytes a token, aside). The planner counts the same (memory.host_pinned)."""
+    streams = args.num_hidden_layers * args.hc_mult * args.hidden_size
+    return tokens * act_bytes * (streams + (2 * args.hidden_size * args.num_nextn_predict_layers if mtp else 0))
+
+
 def apply_activation_checkpointing(model: nn.Module, *, mode: str, recompute_modules: Iterable[str] = (),
                                    moe_chunk_tokens: int = 0, offload_inputs: bool = False) -> None:
     """Wrap every decoder layer and the MTP layer of a Glm5Model in place. moe_chunk_tokens > 0 runs every MoE's

@@ -13,12 +13,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchtitan_glm.activation_checkpoint import offload_host_bytes
 from torchtitan_glm.components import loss as losses
 from torchtitan_glm.components.checkpoint import CheckpointManager, list_checkpoints, step_dir
 from torchtitan_glm.components.cuda_alloc import default_alloc_conf
 from torchtitan_glm.components.data import build_dataloader
 from torchtitan_glm.components.errors import CheckpointError, NonFiniteError, is_expected, one_line, run_job
-from torchtitan_glm.components.logs import device_memory, init_logging, startup_summary
+from torchtitan_glm.components.logs import device_memory, host_available_memory, init_logging, startup_summary
 from torchtitan_glm.components.lr_scheduler import build_lr_scheduler
 from torchtitan_glm.components.metrics import (
     DeviceMemoryMonitor, build_metrics_logger, flops_per_token, format_step_line, get_peak_flops, throughput,
@@ -104,7 +105,37 @@ def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
     dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size_from_env())
     args = build_model_args(cfg)
     validate_model_layout(dims, args, seq_len=cfg.training.seq_len, expert_fsdp=cfg.parallelism.expert_fsdp)
+    if torch.cuda.is_available():
+        check_offload_host_memory(cfg, args, cp=dims.cp, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                                  available=host_available_memory())
     return dims, args
+
+
+def offload_pinned_bytes(cfg: JobConfig, args: Glm5ModelArgs, *, cp: int) -> int:
+    """Pinned host bytes per rank under activation_checkpoint.offload_inputs (0 when off)."""
+    if not cfg.activation_checkpoint.offload_inputs:
+        return 0
+    tr = cfg.training
+    return offload_host_bytes(args, tokens=tr.local_batch_size * tr.seq_len // cp,
+                              act_bytes=2 if tr.mixed_precision_param == "bfloat16" else 4,
+                              mtp=args.num_nextn_predict_layers > 0 and cfg.loss.mtp_weight > 0)
+
+
+def check_offload_host_memory(cfg: JobConfig, args: Glm5ModelArgs, *, cp: int, local_ranks: int,
+                              available: int | None) -> None:
+    """offload_inputs pins the checkpointed blocks' inputs in host memory. When this host's ranks would pin more
+    than 90% of what it has available, stop now (exit 2) rather than have the kernel's OOM killer end the job in
+    its first step (a SIGKILL: no error line, no checkpoint)."""
+    need = offload_pinned_bytes(cfg, args, cp=cp)
+    if need and available is not None and need * local_ranks > 0.9 * available:
+        gib = 2**30
+        raise ConfigError("activation_checkpoint.offload_inputs",
+                          f"each rank pins {need / gib:.1f} GiB of host memory for its blocks' inputs "
+                          f"(training.seq_len {cfg.training.seq_len} x local_batch_size "
+                          f"{cfg.training.local_batch_size} / context_parallel_degree {cp}), {local_ranks} rank(s) on "
+                          f"this host {need * local_ranks / gib:.1f} GiB, and the host has {available / gib:.1f} "
+                          "GiB available (MemAvailable); turn it off, or shorten the rows or raise "
+                          "context_parallel_degree")
 
 
 class Trainer:
@@ -298,7 +329,9 @@ class Trainer:
         if self.rank == 0:
             logger.info(startup_summary(cfg=cfg, args=self.args, model=self.model, world=self.world,
                                         dp_size=self.dims.dp, device=self.device, resume=self._resume_state,
-                                        layout=self.dims.describe(), device_bytes=device_memory(self.device)))
+                                        layout=self.dims.describe(), device_bytes=device_memory(self.device),
+                                        host_pinned=offload_pinned_bytes(cfg, self.args, cp=self.dims.cp)
+                                        if self.device.type == "cuda" else 0))
         self.step = restored or 0
         losses_seen: list[float] = []
         steps_total = cfg.training.steps

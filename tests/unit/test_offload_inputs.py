@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.compile.builders import BATCH, SEQLEN, build_model, debug_args, make_batch, train_forward, training_loss
-from torchtitan_glm.activation_checkpoint import HostOffload, apply_activation_checkpointing
+from torchtitan_glm.activation_checkpoint import HostOffload, apply_activation_checkpointing, offload_host_bytes
 from torchtitan_glm.config import ActivationCheckpointConfig, ConfigError, JobConfig
 
 
@@ -62,6 +62,8 @@ def test_offloaded_inputs_give_identical_loss_and_grads(plain_full):
     assert len(packed) == args.num_hidden_layers + 2, packed
     assert offload.offloaded_bytes == sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
                                           for s, d in packed)
+    # what the trainer checks against the host's memory before it starts (FP32 here)
+    assert offload.offloaded_bytes == offload_host_bytes(args, tokens=BATCH * SEQLEN, act_bytes=4, mtp=True)
 
 
 def test_compiled_blocks_offload_the_same_inputs(plain_full):
@@ -89,6 +91,7 @@ def test_planner_moves_the_inputs_to_the_host_and_times_the_copies_back():
     activations, the peak drops by at most their bytes, and the step gains their copies back at the host link's rate."""
     from torchtitan_glm.planner import Request, plan
     from torchtitan_glm.planner.hardware import GIB, H200
+    from torchtitan_glm.planner.report import plan_text
 
     argv = ("--config", "train_configs/glm5_3_flash_proxy.toml", "--training.seq_len=131072",
             "--activation_checkpoint.mode=full", "--activation_checkpoint.moe_chunk_tokens=16384")
@@ -100,3 +103,44 @@ def test_planner_moves_the_inputs_to_the_host_and_times_the_copies_back():
     copies = moved.time.exposed_comm_s["offloaded block inputs, host to device"]
     assert copies * H200.host_link == pytest.approx(inputs, rel=0.01)
     assert moved.time.step_s == pytest.approx(kept.time.step_s + copies, rel=1e-6)
+    assert moved.memory.host_pinned == pytest.approx(inputs, rel=1e-9) and kept.memory.host_pinned == 0
+    assert f"host memory per rank: {inputs / GIB:.1f} GiB pinned" in plan_text(moved)
+
+
+def _proxy_cfg(*extra: str):
+    from torchtitan_glm.config import load_config
+
+    return load_config(["--config", "train_configs/glm5_3_flash_proxy.toml", "--training.seq_len=131072",
+                        "--activation_checkpoint.mode=full", "--activation_checkpoint.offload_inputs=true", *extra])
+
+
+def test_trainer_stops_before_pinning_more_host_memory_than_the_host_has():
+    """train.py's check (before any process group): the proxy at 128K pins 34 GiB per rank (measured 34.0 on the
+    H200); 8 ranks of that on a host with 128 GiB available is a ConfigError naming the key, not an OOM kill."""
+    from torchtitan_glm.train import build_model_args, check_offload_host_memory, offload_pinned_bytes
+
+    cfg = _proxy_cfg()
+    args = build_model_args(cfg)
+    need = offload_pinned_bytes(cfg, args, cp=1)
+    assert need / 2**30 == pytest.approx(34.0, rel=1e-3)
+    assert offload_pinned_bytes(cfg, args, cp=2) == need // 2
+    check_offload_host_memory(cfg, args, cp=1, local_ranks=1, available=128 * 2**30)
+    check_offload_host_memory(cfg, args, cp=1, local_ranks=8, available=None)  # not Linux: nothing to check
+    with pytest.raises(ConfigError, match=r"activation_checkpoint.offload_inputs.*34.0 GiB.*8 rank\(s\).*272.0 GiB"):
+        check_offload_host_memory(cfg, args, cp=1, local_ranks=8, available=128 * 2**30)
+    off = _proxy_cfg("--activation_checkpoint.offload_inputs=false")
+    assert offload_pinned_bytes(off, args, cp=1) == 0
+    check_offload_host_memory(off, args, cp=1, local_ranks=8, available=1)
+
+
+def test_planner_and_trainer_count_the_same_host_bytes():
+    from torchtitan_glm.planner import Request, plan
+    from torchtitan_glm.planner.hardware import H200
+    from torchtitan_glm.train import build_model_args, offload_pinned_bytes
+
+    argv = ("--config", "train_configs/glm5_3_flash_proxy.toml", "--training.seq_len=131072",
+            "--activation_checkpoint.mode=full", "--activation_checkpoint.offload_inputs=true")
+    planned = plan(Request(argv, 1, H200, "train")).memory.host_pinned
+    need = offload_pinned_bytes(_proxy_cfg(), build_model_args(_proxy_cfg()), cp=1)
+    ints = 131072 * (6 * 16 + 2 * 24 + 24)  # the planner also counts the int64 document inputs
+    assert planned == pytest.approx(need + ints, rel=1e-9)

@@ -35,3 +35,10 @@ def test_superseded_rows_say_why_and_enough_rows_remain():
     assert all(len(f["superseded"]) > 40 for f in old)
     # 6: three rows were superseded by short_conv.py without device time to measure them again (2026-12-04)
     assert len(CURRENT) >= 6 and {f["stat"] for f in CURRENT} == {"allocated", "reserved"}
+
+
+@pytest.mark.parametrize("fig", [f for f in CURRENT if "host_pinned_gib" in f], ids=lambda f: f["name"])
+def test_pinned_host_memory_equals_measured(fig):
+    """activation_checkpoint.offload_inputs: the planner's pinned host bytes are what benchmark.py counted moving
+    (HostOffload.offloaded_bytes per step), to 1%: the blocks' inputs are exact shapes, not an estimate."""
+    assert _plan(fig).memory.host_pinned / GIB == pytest.approx(fig["host_pinned_gib"], rel=0.01)

@@ -116,3 +116,13 @@ def test_layout_note_says_what_changed_and_where_the_data_continues():
     note = layout_note(info(dp2, 8), info(tp2, 4), next_row=80)
     assert "global batch changed from 8 to 4 rows" in note and "the product is 8" in note
     assert layout_note({"config": {}}, info(tp2, 4), next_row=80) is None  # a checkpoint from before: no facts
+
+
+def test_startup_summary_shows_the_pinned_host_memory_of_offload_inputs():
+    cfg = load_config(["--config", "train_configs/debug_model.toml"])
+    model = Glm5Model(get_flavor("debug"))
+    for pinned, row in ((0, None), (3 * 2**30, "3.00 GiB pinned host memory per rank")):
+        text = startup_summary(cfg=cfg, args=model.args, model=model, world=1, dp_size=1, device=torch.device("cpu"),
+                               resume="fresh start", host_pinned=pinned)
+        got = dict(re.findall(r"^  (\S+(?: \S+)?)\s{2,}(.+)$", text, flags=re.M)).get("host offload")
+        assert (got is None) if row is None else got.startswith(row), got

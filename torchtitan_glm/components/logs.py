@@ -100,6 +100,18 @@ def device_memory(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
+def host_available_memory() -> int | None:
+    """Bytes of host memory the kernel says can be allocated without swapping (Linux MemAvailable); None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def loss_buffers(*, tokens: int, vocab: int, dim: int, chunk: int, weight_bytes: int) -> dict[str, int]:
     """Bytes the fused LM-head cross-entropy (ops/linear_cross_entropy.py) holds for `tokens` rows (trunk + MTP):
     the FP32 logits of one chunk with their softmax gradient in the weight's dtype while it runs, and the weight
@@ -122,10 +134,11 @@ def _model_line(cfg: Any, args: Any) -> str:
 
 
 def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_size: int, device: torch.device,
-                    resume: str, layout: str = "", device_bytes: int | None = None) -> str:
+                    resume: str, layout: str = "", device_bytes: int | None = None, host_pinned: int = 0) -> str:
     """The block rank 0 logs before the first step: model, parameters, layout, precision, memory per rank,
     tokens per step, where outputs go, and whether the run resumes. `device_bytes` (the accelerator's memory): a
-    "fits" row saying when parameters, gradients and optimizer states alone already exceed it."""
+    "fits" row saying when parameters, gradients and optimizer states alone already exceed it. `host_pinned`: the
+    host bytes activation_checkpoint.offload_inputs pins per rank (a row when > 0)."""
     from torchtitan_glm.components.metrics import count_params
 
     counts = count_params(args)
@@ -153,6 +166,8 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
         ("memory/rank", f"params {format_bytes(mem['params'])}, grads {format_bytes(mem['grads'])}, optimizer "
                         f"{format_bytes(mem['optimizer'])} ({opt.name}; sharded state{where}); activations not "
                         "included"),
+        *([("host offload", f"{format_bytes(host_pinned)} pinned host memory per rank for the checkpointed blocks' "
+                             "inputs (activation_checkpoint.offload_inputs)")] if host_pinned else []),
         ("loss buffers", f"{format_bytes(ce['logits_chunk'])} logits chunk, "
                          f"{format_bytes(ce['weight_grad'])} LM-head weight gradient "
                          + (f"(FP32: {head_tokens:,} rows > loss.ce_chunk_size {cfg.loss.ce_chunk_size:,})"

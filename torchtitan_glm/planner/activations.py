@@ -355,6 +355,17 @@ def saved(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bool = Fal
 
 
 # ----------------------------------------------------------------------------------------- working sets
+def offloaded_inputs(units, ctx: ActContext, *, with_mtp: bool) -> float:
+    """Bytes activation_checkpoint.offload_inputs moves to pinned host memory per step and rank: what full AC saves
+    of each block (its inputs), each held from the block's forward to its backward, so all at once at the turn
+    (measured: 34.0 GiB at T = 128K on the proxy, docs/performance.md). `units`: the inventory's."""
+    if not ctx.offload_inputs:
+        return 0.0
+    kept = dataclasses.replace(ctx, offload_inputs=False)
+    return sum(sum(saved(u.kind, "full", kept, shared_indexer=u.shared_indexer).values())
+               for u in units if u.kind not in ("embed", "head") and (with_mtp or u.kind != "mtp"))
+
+
 def _per_token(ctx: ActContext, nbytes: float, *, heads: bool = False) -> float:
     return nbytes * ctx.tokens / (ctx.tp if heads else 1)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torchtitan_glm.config import JobConfig, load_config
 
-from .activations import ActContext
+from .activations import ActContext, offloaded_inputs
 from .hardware import GIB, GpuSpec
 from .layout import NEUTRAL_DATA, Layout, Verdict, candidate_layouts, describable, resolve_layout, \
     split_layout_args, trainer_verdict
@@ -59,6 +59,7 @@ MEMORY_FIELDS = {
     "activations_by_layer_type_gib": (dict, "kept activations summed per layer type (+ final_norm, lm_head_ce)"),
     "activation_terms_gib": (dict, "kept activations summed per term (streams, mhc, kda, mla, attention, ...)"),
     "ce_chunk_working_gib": (float, "the fused CE's per-chunk working set (logits, their gradient, dW partial)"),
+    "host_pinned_gib": (float, "pinned host memory per rank: activation_checkpoint.offload_inputs' block inputs"),
     "state_bytes": ((dict, type(None)), "train scope: params, grads, optimizer and their replicated parts"),
 }
 TIME_FIELDS = {
@@ -140,6 +141,7 @@ class Plan:
                 "activations_by_layer_type_gib": {k: gib(v) for k, v in m.activations_by_type.items()},
                 "activation_terms_gib": {k: gib(v) for k, v in sorted(m.activation_terms.items())},
                 "ce_chunk_working_gib": gib(m.ce_chunk_working),
+                "host_pinned_gib": gib(m.host_pinned),
                 "state_bytes": state,
             },
             "time": {
@@ -233,6 +235,7 @@ def plan_layout(request: Request, cfg: JobConfig, inv: ModelInventory, layout: L
                       reduce_bytes=_DTYPE_BYTES[tr.mixed_precision_reduce], ce_chunk=cfg.loss.ce_chunk_size,
                       compiled_loss=compiled_loss)
     memory = plan_memory(inv, layout, ctx, setup)
+    memory.host_pinned = offloaded_inputs(inv.units, ctx, with_mtp=with_mtp)
     time = plan_time(inv, layout, request.gpu, ctx, regime=regime, with_mtp=with_mtp, param_bytes=act,
                      reduce_bytes=setup.reduce_bytes, seq_len=tr.seq_len, local_batch=tr.local_batch_size,
                      train=scope == "train")

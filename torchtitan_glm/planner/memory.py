@@ -51,6 +51,7 @@ class MemoryPlan:
     state: StateBytes | None
     ce_chunk_working: float = 0.0  # the fused CE's per-chunk working set (logits and their gradient, dW partial)
     timeline: list[tuple[str, float]] = field(default_factory=list)
+    host_pinned: float = 0.0  # bytes of pinned host memory (activation_checkpoint.offload_inputs), not on the GPU
 
 
 class _Walk:

@@ -42,6 +42,9 @@ def plan_text(p: Plan) -> str:
         lines.append(f"  held (GiB): parameters {_gib(s.params)} | gradients {_gib(s.grads)} | optimizer "
                      f"{_gib(s.optimizer)}; of which FP32-kept, replicated: {_gib(s.replicated_params)} | "
                      f"{_gib(s.replicated_grads)} | {_gib(s.replicated_optimizer)}")
+    if m.host_pinned:
+        lines.append(f"  host memory per rank: {_gib(m.host_pinned)} GiB pinned (activation_checkpoint.offload_inputs: "
+                     f"each checkpointed block's inputs, held from its forward to its backward)")
     lines.append(f"  activations kept, by layer type (GiB): {_row(m.activations_by_type, _gib)}; the fused CE's "
                  f"chunk works in {_gib(m.ce_chunk_working)} more")
     top = dict(sorted(m.activation_terms.items(), key=lambda kv: -kv[1])[:8])

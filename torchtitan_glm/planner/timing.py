@@ -19,12 +19,11 @@ parallel collectives and the replicated-gradient all-reduce are on the critical 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from torchtitan_glm.components.metrics import flops_breakdown, flops_per_token
 
-from .activations import ActContext, saved, selected_tokens
+from .activations import ActContext, offloaded_inputs, selected_tokens
 from .comms import Collective, fsdp_collectives, other_collectives
 from .hardware import GpuSpec
 from .layout import Layout
@@ -125,9 +124,7 @@ def plan_time(inv: ModelInventory, layout: Layout, gpu: GpuSpec, ctx: ActContext
     for c in [c for cs in fsdp.values() for c in cs if not c.overlapped] + others:
         exposed[c.name] = exposed.get(c.name, 0.0) + c.seconds
     if ctx.offload_inputs:  # copies back on the compute stream, not prefetched: exposed (the copies out overlap)
-        kept = dataclasses.replace(ctx, offload_inputs=False)
-        moved = sum(sum(saved(u.kind, "full", kept, shared_indexer=u.shared_indexer).values())
-                    for u in inv.units if u.kind not in ("embed", "head") and (with_mtp or u.kind != "mtp"))
+        moved = offloaded_inputs(inv.units, ctx, with_mtp=with_mtp)
         exposed["offloaded block inputs, host to device"] = moved / gpu.host_link
     step = total_compute + sum(exposed.values())
     tokens = layout.dp * local_batch * seq_len
