@@ -41,16 +41,21 @@ if [ -z "$(ls -A "$CACHE/triton")" ]; then
   [ -f .gpu_cache/fla_autotune.tgz ] && seed=.gpu_cache/fla_autotune.tgz
   tar xzf "$seed" -C "$CACHE/triton"
 fi
+# the autotune results so far, packed after every stage: a call cut short by its time limit still returns them
+pack_cache() { (cd "$CACHE/triton" && find . -name '*.autotune.json' | tar czf "$OUT/fla_autotune.tgz" -T -); }
+trap pack_cache EXIT
 nvidia-smi -L | tee "$OUT/device.txt"
 python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__)" | tee -a "$OUT/device.txt"
 case " $STAGES " in *" tests "*)
   timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" ;;
 esac
+pack_cache
 case " $STAGES " in *" bench "*)
   timeout "${BENCH_TIMEOUT:-300}" python3 scripts/benchmark.py --flavor glm5_3_flash_proxy --seq-len 4096 --steps 5 \
       --warmup 2 --runs "${BENCH_RUNS:-eager:none,compiled:none,eager:full,compiled:full}" --out "$OUT/bench.json" \
       2>&1 | tee "$OUT/bench.log" ;;
 esac
+pack_cache
 case " $STAGES " in *" fp8 "*)
   timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/gpu/test_float8_cuda.py -p no:cacheprovider 2>&1 \
       | tee "$OUT/fp8_tests.log"
@@ -60,35 +65,42 @@ case " $STAGES " in *" fp8 "*)
       --steps 4 --warmup 2 --runs "${FP8_RUNS:-compiled:selective,compiled:selective:fp8}" --scope "${FP8_SCOPE:-train}" \
       --out "$OUT/bench_fp8.json" 2>&1 | tee "$OUT/bench_fp8.log" ;;
 esac
+pack_cache
 case " $STAGES " in *" longctx "*)
   timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/gpu/test_sparse_mla.py -p no:cacheprovider 2>&1 \
       | tee "$OUT/sparse_mla_tests.log" ;;
 esac
+pack_cache
 case " $STAGES " in *" longctx "*|*" dsa "*)
   timeout "${DSA_BENCH_TIMEOUT:-300}" python3 scripts/bench_dsa.py --seq-len "${DSA_SEQ:-8192,32768}" --layer 2>&1 \
       | tee "$OUT/bench_dsa.log" ;;
 esac
+pack_cache
 case " $STAGES " in *" longctx "*|*" sweep "*)
   timeout "${SWEEP_TIMEOUT:-540}" python3 scripts/benchmark.py --flavor glm5_3_flash_proxy --seq-len "${SWEEP_SEQ:-sweep}" \
       --steps "${SWEEP_STEPS:-3}" --warmup 1 --docs 3 --runs "${SWEEP_RUNS:-compiled:auto}" --indexer-kl "${SWEEP_KL:-sparse}" \
       --moe-chunk-tokens "${SWEEP_MOE_CHUNK:-16384}" ${SWEEP_OFFLOAD:+--offload-inputs} --out "$OUT/sweep.json" 2>&1 \
       | tee "$OUT/sweep.log" ;;
 esac
+pack_cache
 case " $STAGES " in *" speed "*|*" kda "*)
   timeout "${KDA_BENCH_TIMEOUT:-200}" python3 scripts/bench_kda.py --seq-len "${KDA_SEQ:-8192}" \
       --json "$OUT/bench_kda.json" 2>&1 | tee "$OUT/bench_kda.log" ;;
 esac
+pack_cache
 case " $STAGES " in *" speed "*)
   timeout "${AGAINST_TIMEOUT:-300}" python3 scripts/benchmark.py --flavor glm5_3_flash_proxy --against transformers \
       --seq-len "${AGAINST_SEQ:-4096}" --steps 4 --warmup 2 --runs "${AGAINST_RUNS:-compiled:none}" \
       --out "$OUT/bench_against.json" 2>&1 | tee "$OUT/bench_against.log" ;;
 esac
+pack_cache
 case " $STAGES " in *" proxytrain "*)
   # the proxy training config as users run it (log steps every 5: the window's tokens/s has no per-step host read)
   timeout "${PROXY_TIMEOUT:-540}" torchrun --nproc-per-node 1 train.py --config train_configs/glm5_3_flash_proxy.toml \
       --training.steps "${PROXY_STEPS:-30}" --metrics.log_freq 5 --checkpoint.enable false \
       --metrics.enable_tensorboard false --job.dump_folder "$OUT/proxy_train" ${PROXY_ARGS:-} 2>&1 | tee "$OUT/proxy_train.log" ;;
 esac
+pack_cache
 case " $STAGES " in *" fp8curve "*)
   # issue 8: 200 proxy steps through train.py in BF16 and in the FP8 split, same seed and data, every step logged;
   # one precision per device call (FP8CURVE_PREC="bf16" then "fp8"): the runs stay under $CACHE while the machine
@@ -104,6 +116,7 @@ case " $STAGES " in *" fp8curve "*)
   [ -d "$CACHE/fp8curve/bf16/tb" ] && [ -d "$CACHE/fp8curve/fp8/tb" ] && python3 scripts/compare_runs.py \
       "$CACHE/fp8curve/bf16" "$CACHE/fp8curve/fp8" --last 20 --max-rel 0.01 2>&1 | tee "$OUT/fp8curve_compare.log" ;;
 esac
+pack_cache
 case " $STAGES " in *" serving "*)
   timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/gpu/test_decode_cuda.py -p no:cacheprovider 2>&1 \
       | tee "$OUT/decode_tests.log"
@@ -124,6 +137,7 @@ case " $STAGES " in *" serving "*)
   timeout "${DECODE_BENCH_TIMEOUT:-400}" python3 scripts/bench_decode.py --flavor glm5_3_flash_proxy --batch 1,64 \
       --prompt-len 512 --steps 64 --json "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.log" ;;
 esac
+pack_cache
 case " $STAGES " in *" multigpu "*)
   ngpu=$(nvidia-smi -L | wc -l)
   export NCCL_NVLS_ENABLE=0
@@ -140,10 +154,12 @@ case " $STAGES " in *" multigpu "*)
         --job.dump_folder "$OUT/multigpu_cp2" 2>&1 | tee "$OUT/multigpu_cp2.log"
   fi ;;
 esac
+pack_cache
 case " $STAGES " in *" train "*)
   timeout "${TRAIN_TIMEOUT:-300}" torchrun --nproc-per-node 1 train.py --config train_configs/debug_model.toml \
       --training.mixed_precision_param bfloat16 --compile.enable true --compile.backend inductor \
       --training.steps 10 --metrics.log_freq 2 --checkpoint.enable false --job.dump_folder "$OUT/train" \
       2>&1 | tee "$OUT/train.log" ;;
 esac
-(cd "$CACHE/triton" && find . -name '*.autotune.json' | tar czf "$OUT/fla_autotune.tgz" -T -); ls -la "$OUT"
+pack_cache
+ls -la "$OUT"
