@@ -93,8 +93,12 @@ H200 = GpuSpec(
     # 596.0 - 486.9 at T=8192 (1.66 us), mean 1.90 us; training scope, selective: 432.3 - 325.9 ms at T=4096
     # (2.89 us); full: selective + (61 - 45.3 ms) / (9 x 4096) from the earlier table's full - selective step
     # difference less the modelled one (3.32 us); eager: compiled + 246 ms / (9 x 4096) (the earlier eager - compiled
-    # difference, no AC) (8.57 us). docs/performance.md, planner section, lists the figures.
-    elementwise_s_per_token_block={"compiled": 1.90e-6, "selective": 2.89e-6, "full": 3.32e-6, "eager": 8.57e-6},
+    # difference, no AC) (8.57 us); eager under full AC: the training scope's eager full-AC runs (sparse KL, moe
+    # chunks 16384, 3 documents) at T = 4K, 32K and 64K (16.1, 14.4, 15.5 us; mean 15.3 us); eager under selective
+    # AC is not measured: eager's term plus selective's over compiled's (9.56 us, assumed). docs/performance.md,
+    # planner section, lists the figures.
+    elementwise_s_per_token_block={"compiled": 1.90e-6, "selective": 2.89e-6, "full": 3.32e-6, "eager": 8.57e-6,
+                                   "eager_full": 15.3e-6, "eager_selective": 9.56e-6},
 )
 
 GPUS = {"h200": H200}

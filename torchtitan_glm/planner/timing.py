@@ -101,7 +101,9 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
         else:
             kl = 6.0 * tokens * ih * idim * pools / 2 + 2.0 * tokens * seq / 2 * h * kvl
     out["indexer_fp32"] = n_idx * (topk + kl) * (1 + recompute_fwd) / gpu.gemm_fp32
-    out["elementwise"] = gpu.elementwise_s_per_token_block[regime] * tokens * len(layers)
+    # an eager run under AC (ctx.compiled false) pays eager's elementwise launches, in the forward and the recompute
+    rate = regime if ctx.compiled or regime in ("compiled", "eager") else f"eager_{regime}"
+    out["elementwise"] = gpu.elementwise_s_per_token_block[rate] * tokens * len(layers)
     if train:
         out["optimizer"] = OPTIMIZER_BYTES_PER_PARAM * local_trainable_elements(inv, layout) / gpu.hbm_bandwidth
     return out
