@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import time
 from typing import Any, Iterator
 
@@ -138,11 +139,30 @@ def check_offload_host_memory(cfg: JobConfig, args: Glm5ModelArgs, *, cp: int, l
                           "context_parallel_degree")
 
 
+def planned_memory(argv: list[str] | None, *, gpus: int, device_bytes: int | None) -> str | None:
+    """The planner's peak for this run (scripts/plan.py on the same arguments), for the start-up summary: the
+    allocated peak with its parts against the device's memory. None without a GPU (the plan is of CUDA kernels) or
+    arguments; a plan the planner cannot make says why instead (it never stops the run)."""
+    if argv is None or device_bytes is None:
+        return None
+    from torchtitan_glm.planner import Request, get_gpu, plan
+    from torchtitan_glm.planner.hardware import GIB
+
+    try:
+        m = plan(Request(tuple(argv), gpus, get_gpu("h200", memory_bytes=device_bytes), "train")).memory
+    except Exception as e:  # noqa: BLE001 - a summary row, not a check
+        return f"not planned ({one_line(e)})"
+    parts = " | ".join(f"{k} {v / GIB:.1f}" for k, v in m.breakdown.items() if v)
+    return (f"{m.peak / GIB:.1f} GiB allocated at {m.peak_at}, reserve {m.reserved / GIB:.1f} GiB, of the device's "
+            f"{device_bytes / GIB:.1f} (GiB: {parts}; scripts/plan.py)")
+
+
 class Trainer:
     """Owns everything a run needs; `train()` runs the loop from the restored step to training.steps."""
 
-    def __init__(self, cfg: JobConfig) -> None:
+    def __init__(self, cfg: JobConfig, *, argv: list[str] | None = None) -> None:
         self.cfg = cfg
+        self.argv = argv  # train.py's arguments, for the start-up summary's planned peak (None: no plan)
         dims, self.args = check_layout(cfg)
         self.rank, self.world, self.device = init_distributed(cpu_backend=cfg.optimizer.cpu_offload)
         if cfg.training.deterministic:
@@ -331,7 +351,9 @@ class Trainer:
                                         dp_size=self.dims.dp, device=self.device, resume=self._resume_state,
                                         layout=self.dims.describe(), device_bytes=device_memory(self.device),
                                         host_pinned=offload_pinned_bytes(cfg, self.args, cp=self.dims.cp)
-                                        if self.device.type == "cuda" else 0))
+                                        if self.device.type == "cuda" else 0,
+                                        planned=planned_memory(self.argv, gpus=self.world,
+                                                               device_bytes=device_memory(self.device))))
         self.step = restored or 0
         losses_seen: list[float] = []
         steps_total = cfg.training.steps
@@ -497,8 +519,8 @@ class Trainer:
             dist.destroy_process_group()
 
 
-def _run(cfg: JobConfig) -> None:
-    trainer = Trainer(cfg)
+def _run(cfg: JobConfig, argv: list[str]) -> None:
+    trainer = Trainer(cfg, argv=argv)
     trainer.train()
     trainer.close()
 
@@ -506,9 +528,10 @@ def _run(cfg: JobConfig) -> None:
 @main_guard
 def main(argv: list[str] | None = None) -> None:
     alloc = default_alloc_conf()  # before anything allocates on the device
+    argv = list(sys.argv[1:] if argv is None else argv)
     cfg = load_config(argv)  # ConfigError -> exit 2 before any process group starts
     check_layout(cfg)  # the same for the parallel layout against the world size and the model
     init_logging(rank=int(os.environ.get("RANK", 0)))
     if torch.cuda.is_available():
         logger.info("CUDA allocator: %s", alloc)
-    run_job(lambda: _run(cfg))  # an error on any rank: reported once, every rank exits within seconds
+    run_job(lambda: _run(cfg, argv))  # an error on any rank: reported once, every rank exits within seconds
