@@ -103,8 +103,9 @@ esac
 pack_cache
 case " $STAGES " in *" fp8curve "*)
   # issue 8: 200 proxy steps through train.py in BF16 and in the FP8 split, same seed and data, every step logged;
-  # one precision per device call (FP8CURVE_PREC="bf16" then "fp8"): the runs stay under $CACHE while the machine
-  # is warm and their TensorBoard events come back in $OUT; scripts/compare_runs.py compares the end of the curves.
+  # one precision per device call (FP8CURVE_PREC="bf16" then "fp8"; "bf16b": BF16 again, whose difference from the
+  # first is the noise floor of the comparison): the runs stay under $CACHE while the machine is warm and their
+  # TensorBoard events come back in $OUT; scripts/compare_runs.py compares the end of the curves.
   for prec in ${FP8CURVE_PREC:-bf16 fp8}; do
     extra=""; [ "$prec" = fp8 ] && extra="--float8.enable true"
     timeout "${FP8CURVE_TIMEOUT:-560}" torchrun --nproc-per-node 1 train.py --config train_configs/glm5_3_flash_proxy.toml \
@@ -113,8 +114,10 @@ case " $STAGES " in *" fp8curve "*)
         | tee "$OUT/fp8curve_$prec.log"
     mkdir -p "$OUT/fp8curve_$prec" && cp -r "$CACHE/fp8curve/$prec/tb" "$OUT/fp8curve_$prec/"
   done
+  floor=""; [ -d "$CACHE/fp8curve/bf16b/tb" ] && floor="--floor $CACHE/fp8curve/bf16b"
   [ -d "$CACHE/fp8curve/bf16/tb" ] && [ -d "$CACHE/fp8curve/fp8/tb" ] && python3 scripts/compare_runs.py \
-      "$CACHE/fp8curve/bf16" "$CACHE/fp8curve/fp8" --last 20 --max-rel 0.01 2>&1 | tee "$OUT/fp8curve_compare.log" ;;
+      "$CACHE/fp8curve/bf16" "$CACHE/fp8curve/fp8" --last 20 --max-rel 0.01 $floor 2>&1 \
+      | tee "$OUT/fp8curve_compare.log" ;;
 esac
 pack_cache
 case " $STAGES " in *" serving "*)

@@ -73,3 +73,25 @@ def test_reads_the_trainers_tensorboard_logger(tmp_path, capsys):
     assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "b"), "--last", "5", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["common_steps"] == 30 and r["end_rel_diff"] == pytest.approx(0.01, rel=1e-4)
+
+
+def test_noise_floor_runs_and_the_floor_ratio(tmp_path, capsys):
+    a = {s: 3.0 for s in range(1, 101)}
+    ra = _run(tmp_path / "a", a)
+    rb = _run(tmp_path / "b", {s: v * 1.03 for s, v in a.items()})  # 3% from a
+    f1 = _run(tmp_path / "f1", {s: v * 0.98 for s, v in a.items()})  # 2% from a
+    f2 = _run(tmp_path / "f2", {s: v * 1.01 for s, v in a.items()})  # 1%
+    assert compare_runs.main([ra, rb, "--floor", f1, "--floor", f2, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["floor_rel_diffs"] == pytest.approx([0.02, 0.01], rel=1e-5)
+    assert compare_runs.main([ra, rb, "--floor", f1, "--floor", f2, "--max-floor-ratio", "2"]) == 0  # 3% <= 2 x 2%
+    assert compare_runs.main([ra, rb, "--floor", f1, "--floor", f2, "--max-floor-ratio", "1"]) == 1  # 3% > 2%
+    assert "1 x the noise floor's 2.00%" in capsys.readouterr().err
+    assert compare_runs.main([ra, rb, "--floor", f2, "--max-floor-ratio", "2"]) == 1  # 3% > 2 x 1%
+    with pytest.raises(SystemExit) as info:
+        compare_runs.main([ra, rb, "--max-floor-ratio", "2"])
+    assert info.value.code == 2 and "--floor" in capsys.readouterr().err
+    short = _run(tmp_path / "short", {s: 3.0 for s in range(1, 51)})  # ends before a and b: another end window
+    with pytest.raises(SystemExit) as info:
+        compare_runs.main([ra, rb, "--floor", short])
+    assert info.value.code == 2 and "floor run ends at steps" in capsys.readouterr().err
