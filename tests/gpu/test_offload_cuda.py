@@ -64,11 +64,12 @@ def test_offloaded_inputs_same_numbers_less_device_memory():
 
 def _packed(compiled: bool) -> tuple[list, float]:
     """(shape, dtype) of every tensor one training step offloads, and the loss; blocks compiled with inductor as the
-    trainer compiles them, MoE in checkpointed token chunks as the long-context runs use it."""
+    trainer compiles them, MoE in two checkpointed token chunks as the long-context runs use it (each chunk is one
+    more region inductor compiles)."""
     from torchtitan_glm.compile import apply_compile
 
     model = build_model(0).cuda().to(torch.bfloat16)
-    apply_activation_checkpointing(model, mode="full", offload_inputs=True, moe_chunk_tokens=1024)
+    apply_activation_checkpointing(model, mode="full", offload_inputs=True, moe_chunk_tokens=SEQ // 2)
     if compiled:
         apply_compile(model, backend="inductor", components=["model", "loss"])
     packed = []
