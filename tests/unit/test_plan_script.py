@@ -201,6 +201,37 @@ def test_full_config_layout_on_64_h200(monkeypatch, tmp_path):
     assert f"{whole.memory.peak / GIB:.1f} GiB peak per GPU" in comment.replace("\n# ", " ")
 
 
+def test_128k_config_layout_on_64_h200(monkeypatch, tmp_path):
+    """glm5_3_flash_128k.toml: 131,072-token rows over cp = 16 ranks; the trainer accepts its layout on 64 ranks, the
+    planner says it fits, its header's figures are the planner's, and the 128K search ranks it first."""
+    import re
+
+    from torchtitan_glm.planner import Request, plan, search
+    from torchtitan_glm.planner.hardware import GIB, H200
+
+    long_ctx = "train_configs/glm5_3_flash_128k.toml"
+    (tmp_path / "tokens.bin").write_bytes(b"\0" * 64)
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    cfg = load_config(["--config", long_ctx, f"--data.paths={tmp_path / 'tokens.bin'}"])
+    dims, _ = check_layout(cfg)
+    assert cfg.training.seq_len == 131072 and cfg.activation_checkpoint.mode == "full"
+    assert (dims.dp_shard, dims.cp, dims.ep, dims.tp) == (4, 16, 32, 1)
+    monkeypatch.delenv("WORLD_SIZE")
+    got = plan(Request(("--config", long_ctx), 64, H200))
+    assert got.verdict.accepted and got.fits
+    header = (ROOT / long_ctx).read_text().replace("\n# ", " ")
+    stated = re.search(r"full AC: ([\d.]+) GiB allocated peak, reserve estimate ([\d.]+) GiB of [\d.]+ \(fits within "
+                       r"90%\); step ([\d.]+) s for 4 rows \(([\d,]+) tokens\), ([\d,]+) tokens/s, estimated MFU "
+                       r"([\d.]+)%", header)
+    assert stated, "the header's figures"
+    peak, reserve, step, tokens, tps, mfu = stated.groups()
+    assert (float(peak), float(reserve)) == (round(got.memory.peak / GIB, 1), round(got.memory.reserved / GIB, 1))
+    assert float(step) == round(got.time.step_s, 1) and int(tps.replace(",", "")) == round(got.time.tokens_per_s)
+    assert int(tokens.replace(",", "")) == got.time.tokens_per_step and float(mfu) == round(100 * got.time.mfu, 1)
+    best = search(Request(("--config", long_ctx), 64, H200), regimes=("full", "selective"))["top"][0]
+    assert best.layout == got.layout and best.regime == "full"
+
+
 def test_layout_overrides_reach_the_trainer_whole():
     """A layout key set back to its default on the command line is what the trainer checks, not the config's value:
     debug_model_ep.toml says ep = 2, which cp = 4 would reject; with ep = 1 the layout is valid."""
