@@ -66,9 +66,26 @@ from torchtitan_glm.models.glm5.hf_modeling import modeling_to_ours
 SWEEP = (4096, 8192, 16384, 32768, 65536, 131072)
 
 
+def reset_host_peak() -> None:
+    """Restart the kernel's count of this process's peak resident memory (VmHWM; Linux >= 4.0), so that each run of a
+    sweep reports its own peak; elsewhere the peak stays the process's so far."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def host_peak_rss_gib() -> float:
-    """This process's peak resident host memory so far (pinned offload buffers included), GiB (Linux: KiB units)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    """This process's peak resident host memory (pinned offload buffers included) since reset_host_peak, GiB."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux KiB; the lifetime peak
 
 
 def auto_ac(seq_len: int) -> str:
@@ -216,6 +233,7 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
     """One timed run of this repo's model; from `weights` (our names) when given, else from its own init."""
     args = model_args(flavor, scope=scope, tile_elements=tile_elements, dsa_dense_max_len=dsa_dense_max_len)
     train_scope = scope == "train"
+    reset_host_peak()
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Glm5Model(args)

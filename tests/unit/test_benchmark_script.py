@@ -53,6 +53,19 @@ def test_benchmark_sweeps_lengths_with_auto_ac_and_both_kl_forms(tmp_path):
         (32, "selective", "sparse"), (64, "selective", "sparse"), (32, "selective", "dense"), (64, "selective", "dense")]
 
 
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="per-run host peaks need Linux")
+def test_sweep_rows_report_their_own_host_peak_and_offload(tmp_path):
+    """Each row's host_peak_rss_gib is its own run's (VmHWM restarted per run): a short row after a long one reports
+    less. offload_inputs rows say so; on the CPU nothing is pinned, so none is counted as offloaded."""
+    out = tmp_path / "rows.json"
+    proc = _run("scripts/benchmark.py", "--flavor", "debug", "--seq-len", "4096,256", "--steps", "1", "--warmup", "0",
+                "--runs", "eager:full", "--offload-inputs", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    long, short = json.loads(out.read_text())
+    assert (long["ac"], long["offload_inputs"], long["offloaded_gib_per_step"]) == ("full+offload", True, 0.0)
+    assert 0 < short["host_peak_rss_gib"] < long["host_peak_rss_gib"], (short, long)
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message shown without CUDA")
 def test_gpu_benchmarks_say_they_need_cuda():
     proc = _run("scripts/benchmark.py", "--seq-len", "sweep", "--runs", "compiled:auto")
