@@ -6,7 +6,8 @@
 #   scripts/precision_agreement.py on the proxy, and BF16 vs FP8-split benchmark runs (FP8_RUNS, FP8_SEQ, FP8_SCOPE).
 #   longctx: the Triton sparse-MLA tests, scripts/bench_dsa.py (DSA_SEQ; alone: dsa) and the proxy's sequence-length
 #   sweep with the sparse indexer KL (SWEEP_SEQ, SWEEP_RUNS, SWEEP_KL, SWEEP_MOE_CHUNK, SWEEP_OFFLOAD=1 for the full-AC
-#   blocks' inputs in host memory; alone: sweep; one compile per T, so split long compiled sweeps across calls).
+#   blocks' inputs in host memory; alone: sweep; one compile per T, so split long compiled sweeps across calls;
+#   HOST_SAMPLER=<seconds> logs host memory meanwhile).
 #   speed (issue 12): scripts/bench_kda.py (KDA_SEQ; alone: kda), scripts/benchmark.py --against transformers (AGAINST_SEQ, AGAINST_RUNS; needs transformers
 #   >= 5.23 importable). proxytrain: train.py on train_configs/glm5_3_flash_proxy.toml (PROXY_STEPS, PROXY_ARGS).
 #   serving: the CUDA decode tests (FLA recurrent KDA, prefill states, sparse MLA over the latent cache, debug model
@@ -43,7 +44,15 @@ if [ -z "$(ls -A "$CACHE/triton")" ]; then
 fi
 # the autotune results so far, packed after every stage: a call cut short by its time limit still returns them
 pack_cache() { (cd "$CACHE/triton" && find . -name '*.autotune.json' | tar czf "$OUT/fla_autotune.tgz" -T -); }
-trap pack_cache EXIT
+# HOST_SAMPLER=3: host memory every 3 s into $OUT/host_mem.log (used and available GiB, the largest process's RSS in
+# KiB): the compiled 128K offload run was killed by the host's OOM killer (docs/performance.md, eighth session)
+sampler=""
+if [ -n "${HOST_SAMPLER:-}" ]; then
+  (while :; do echo "$(date +%T) used/avail GiB $(free -g | awk 'NR==2{print $3, $7}') top RSS KiB" \
+      "$(ps -eo rss,comm --sort=-rss | sed -n 2p)"; sleep "$HOST_SAMPLER"; done) > "$OUT/host_mem.log" 2>&1 &
+  sampler=$!
+fi
+trap 'pack_cache; [ -n "$sampler" ] && kill "$sampler"' EXIT
 nvidia-smi -L | tee "$OUT/device.txt"
 python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__)" | tee -a "$OUT/device.txt"
 case " $STAGES " in *" tests "*)
