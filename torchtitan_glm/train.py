@@ -101,8 +101,9 @@ def init_distributed(*, cpu_backend: bool = False) -> tuple[int, int, torch.devi
 
 
 def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
-    """The parallel layout checked against WORLD_SIZE (torchrun sets it before Python starts) and the model args:
-    ConfigErrors naming the keys, raised before any process group starts (main() runs it first: exit 2)."""
+    """The parallel layout checked against WORLD_SIZE (torchrun sets it before Python starts) and the model args,
+    and on a GPU host the pinned memory of activation_checkpoint.offload_inputs against the host's: ConfigErrors
+    naming the keys, raised before any process group starts (main() runs it first: exit 2)."""
     dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size_from_env())
     args = build_model_args(cfg)
     validate_model_layout(dims, args, seq_len=cfg.training.seq_len, expert_fsdp=cfg.parallelism.expert_fsdp)
@@ -347,13 +348,13 @@ class Trainer:
         if restored is not None and restored >= cfg.training.steps:
             return []
         if self.rank == 0:
+            device_bytes = device_memory(self.device)  # None off CUDA: no planned peak, nothing pinned
             logger.info(startup_summary(cfg=cfg, args=self.args, model=self.model, world=self.world,
                                         dp_size=self.dims.dp, device=self.device, resume=self._resume_state,
-                                        layout=self.dims.describe(), device_bytes=device_memory(self.device),
+                                        layout=self.dims.describe(), device_bytes=device_bytes,
                                         host_pinned=offload_pinned_bytes(cfg, self.args, cp=self.dims.cp)
-                                        if self.device.type == "cuda" else 0,
-                                        planned=planned_memory(self.argv, gpus=self.world,
-                                                               device_bytes=device_memory(self.device))))
+                                        if device_bytes else 0,
+                                        planned=planned_memory(self.argv, gpus=self.world, device_bytes=device_bytes)))
         self.step = restored or 0
         losses_seen: list[float] = []
         steps_total = cfg.training.steps

@@ -361,9 +361,14 @@ def offloaded_inputs(units, ctx: ActContext, *, with_mtp: bool) -> float:
     (measured: 34.0 GiB at T = 128K on the proxy, docs/performance.md). `units`: the inventory's."""
     if not ctx.offload_inputs:
         return 0.0
-    kept = dataclasses.replace(ctx, offload_inputs=False)
-    return sum(sum(saved(u.kind, "full", kept, shared_indexer=u.shared_indexer).values())
+    return sum(_block_inputs(u.kind, ctx, shared_indexer=u.shared_indexer)
                for u in units if u.kind not in ("embed", "head") and (with_mtp or u.kind != "mtp"))
+
+
+def _block_inputs(kind: str, ctx: ActContext, *, shared_indexer: bool) -> float:
+    """Bytes of what full AC saves of one block (its inputs), wherever offload_inputs keeps them."""
+    kept = dataclasses.replace(ctx, offload_inputs=False)
+    return sum(saved(kind, "full", kept, shared_indexer=shared_indexer).values())
 
 
 def _per_token(ctx: ActContext, nbytes: float, *, heads: bool = False) -> float:
@@ -372,8 +377,8 @@ def _per_token(ctx: ActContext, nbytes: float, *, heads: bool = False) -> float:
 
 def forward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bool = False) -> float:
     """Bytes a block allocates during its forward beyond what it keeps (freed when it returns): under AC the
-    intermediates it does not keep (its compiled or eager inventory: ActContext.running), and in every regime the kernels' workspaces and the
-    indexer's query tiles. An estimate from the code (not measured per block)."""
+    intermediates it does not keep (its compiled or eager inventory: ActContext.running), and in every regime the
+    kernels' workspaces and the indexer's query tiles. An estimate from the code (not measured per block)."""
     args, a = ctx.args, ctx.act
     work = 0.0
     if regime in ("full", "selective"):
@@ -424,8 +429,7 @@ def backward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bo
         if regime == "full" and ("dsa" in kind or kind == "mtp"):
             work += _dsa_forward_work(ctx, indexer=not shared_indexer)
         if regime == "full" and ctx.offload_inputs:  # the offloaded inputs, back on the device for the recompute
-            work += sum(saved(kind, regime, dataclasses.replace(ctx, offload_inputs=False),
-                              shared_indexer=shared_indexer).values())
+            work += _block_inputs(kind, ctx, shared_indexer=shared_indexer)
     work += _per_token(ctx, 2 * n * d * a)  # gradients of the input and output streams
     if regime == "eager":
         work += _per_token(ctx, n * d * a)  # the mHC mapping's input gradient (mhc.rms_linear: BF16, FP32 in chunks)
