@@ -27,7 +27,7 @@ else:  # pragma: no cover - exercised only on 3.10
 __all__ = [
     "ConfigError", "JobConfig", "JobSectionConfig", "ModelConfig", "TrainingConfig", "DataConfig", "OptimizerConfig",
     "LRSchedulerConfig", "LossConfig", "ParallelismConfig", "Float8Config", "CheckpointConfig",
-    "ActivationCheckpointConfig", "CompileConfig", "MetricsConfig", "load_config", "main_guard",
+    "ActivationCheckpointConfig", "CompileConfig", "MetricsConfig", "ProfilingConfig", "load_config", "main_guard",
 ]
 
 T = TypeVar("T")
@@ -566,6 +566,29 @@ class MetricsConfig(_Section):
 
 
 @dataclass(frozen=True)
+class ProfilingConfig(_Section):
+    """[profiling] torch.profiler over a window of training steps (components/profiling.py).
+
+    enable: profile; start_step: the first profiled step (the steps before it warm up: compile, autotuning);
+    steps: how many steps; trace_folder: under job.dump_folder, one Chrome trace per rank plus rank 0's table of the
+    busiest kernels (ops.txt); row_limit: rows of that table.
+    """
+
+    SECTION: ClassVar[str] = "profiling"
+    enable: bool = False
+    start_step: int = 10
+    steps: int = 2
+    trace_folder: str = "profile_trace"
+    row_limit: int = 30
+
+    def validate(self) -> None:
+        self._require(self.start_step >= 1, "start_step", "must be >= 1")
+        self._require(self.steps >= 1, "steps", "must be >= 1")
+        self._require(self.row_limit >= 1, "row_limit", "must be >= 1")
+        self._require(bool(self.trace_folder), "trace_folder", "must be non-empty")
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """The whole, validated, immutable run configuration: one attribute per TOML section."""
 
@@ -582,6 +605,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
     def validate(self) -> None:
         """Types, then each section's own rules, then the rules that span sections."""
@@ -608,6 +632,11 @@ class JobConfig:
                 raise ConfigError("lr_scheduler.decay_ratio",
                                   f"wsd decay of round({lr.decay_ratio} * training.steps={tr.steps}) = {decay_steps} "
                                   f"steps must be >= 1 and fit after lr_scheduler.warmup_steps={lr.warmup_steps}")
+        prof = self.profiling
+        if prof.enable and prof.start_step + prof.steps - 1 > tr.steps:
+            raise ConfigError("profiling.start_step",
+                              f"steps {prof.start_step}..{prof.start_step + prof.steps - 1} (profiling.steps="
+                              f"{prof.steps}) end after training.steps={tr.steps}")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Sections as TOML tables; extra keys (the [model] args) appear as plain keys of their section."""

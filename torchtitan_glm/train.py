@@ -26,6 +26,7 @@ from torchtitan_glm.components.metrics import (
     DeviceMemoryMonitor, build_metrics_logger, flops_per_token, format_step_line, get_peak_flops, throughput,
 )
 from torchtitan_glm.components.optimizer import build_optimizer, clip_grad_norm_
+from torchtitan_glm.components.profiling import StepProfiler
 from torchtitan_glm.components.resume import layout_note, resume_mismatches, run_info, schedule_note
 from torchtitan_glm.components.signals import StopRequest
 from torchtitan_glm.components.step_stats import PendingStep, StepStats, optimizer_step, supports_device_skip
@@ -237,6 +238,8 @@ class Trainer:
             hf_load_fn=self._hf_load, hf_save_fn=self._hf_save, run_info=self.run_info)
         self.logger = build_metrics_logger(cfg=cfg.metrics, dump_folder=cfg.job.dump_folder, rank=self.rank)
         self.memory = DeviceMemoryMonitor(self.device)
+        self.profiler = StepProfiler(cfg=cfg.profiling, dump_folder=cfg.job.dump_folder, rank=self.rank,
+                                     device=self.device)
         self.flops_per_token = flops_per_token(self.args, cfg.training.seq_len)
         self.peak_flops = get_peak_flops(torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None)
         self.step = 0
@@ -362,9 +365,10 @@ class Trainer:
         window_start, window_tokens = time.perf_counter(), 0
         run_start = time.perf_counter()
         self.model.train()
-        with self.stop, self._metrics_kept_on_error():
+        with self.stop, self._metrics_kept_on_error(), self.profiler:
             while self.step < steps_total:
                 self.step += 1
+                self.profiler.begin(self.step)
                 batch = next(self.dataloader)
                 self.train_step(batch)
                 window_tokens += tokens_per_step
@@ -390,6 +394,8 @@ class Trainer:
                               flush=True)
                     self.logger.log({k: v for k, v in m.items()
                                      if k not in ("tokens", "nonfinite", "stop", "step", "documents")}, self.step)
+                    window_start, window_tokens = time.perf_counter(), 0
+                if self.profiler.end(self.step):  # the profiler's overhead is not the next log's throughput
                     window_start, window_tokens = time.perf_counter(), 0
                 if stop:
                     self._read(self.step, losses_seen)  # the step just run, before its checkpoint

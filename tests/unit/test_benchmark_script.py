@@ -72,6 +72,8 @@ def test_gpu_benchmarks_say_they_need_cuda():
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
     proc = _run("scripts/bench_dsa.py")
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+    proc = _run("scripts/bench_sparse_mla_configs.py")
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
 
 
 def test_bench_dsa_variants_run_on_cpu(monkeypatch):

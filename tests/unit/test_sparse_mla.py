@@ -153,6 +153,23 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
             rdq, rdkv = sparse_mla_reference_bwd(do, q, kv, idx, ref, ref_lse, scale=0.3)
             assert rel(dq, rdq) < 3 * tol, (shape, dtype, cfg, "dq", rel(dq, rdq))
             assert rel(dkv, rdkv) < 3 * tol, (shape, dtype, cfg, "dkv", rel(dkv, rdkv))
+    # the 64-head backward needs a pipelined K loop under Triton 3.6 (ops/sparse_mla_triton.py::_bwd_config_faults)
+    q, kv, idx = _case(seed=5, dtype=torch.float32, seqlen=21, heads=5, dim=24, k=40)
+    wide = dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=2)
+    narrow = dict(BLOCK_H=16, BLOCK_K=16, num_warps=4, num_stages=1)
+    out, lse = sparse_mla_fwd_triton(q, kv, idx, scale=0.3, config=narrow)
+    ref, ref_lse = sparse_mla_reference(q, kv, idx, scale=0.3)
+    do = torch.randn_like(q)
+    dq, dkv = sparse_mla_bwd_triton(do, q, kv, idx, out, lse, scale=0.3, config=wide)
+    rdq, rdkv = sparse_mla_reference_bwd(do, q, kv, idx, ref, ref_lse, scale=0.3)
+    assert rel(dq, rdq) < 3e-5 and rel(dkv, rdkv) < 3e-5, (rel(dq, rdq), rel(dkv, rdkv))
+    for bad in (dict(wide, num_stages=1), dict(wide, BLOCK_K=32)):  # not pipelined; one iteration of K = 40
+        try:
+            sparse_mla_bwd_triton(do, q, kv, idx, out, lse, scale=0.3, config=bad)
+        except ValueError as e:
+            assert "faults" in str(e), e
+        else:
+            raise AssertionError(f"{bad} was not refused")
     print("TRITON_INTERPRET_OK")
 """)
 

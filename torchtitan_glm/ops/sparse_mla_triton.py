@@ -32,7 +32,7 @@ def _prune(configs, named_args, **kwargs):
     """Drop head blocks wider than the head count needs (tl.dot wants at least 16 rows)."""
     need = max(16, triton.next_power_of_2(named_args["H"]))
     kept = [c for c in configs if c.kwargs["BLOCK_H"] <= need]
-    return kept or configs[:1]
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_H"])]
 
 
 _FWD_CONFIGS = [
@@ -40,11 +40,30 @@ _FWD_CONFIGS = [
     for bh, bk, w, s in [(64, 32, 8, 2), (64, 64, 8, 2), (64, 16, 8, 1), (32, 32, 4, 2), (32, 64, 8, 2),
                          (16, 32, 4, 2), (16, 64, 4, 2)]
 ]
+# The backward's configs, timed on the H200 (2026-12-04, T = 32,768, H = 64, D = 512, K = 2,051; docs/performance.md,
+# "Ninth session"; scripts/bench_sparse_mla_configs.py times them): (64, 32, 8, 2) 150 ms, (64, 16, 8, 2) 199 ms,
+# (32, 32, 8, 1) 251 ms, against 336 ms for the earlier [BLOCK_K, D] form's best, (32, 16, 8, 1). With all 64 heads in
+# one program each key is gathered and its dkv added once, not twice, and every product is a wgmma.
 _BWD_CONFIGS = [
     triton.Config({"BLOCK_H": bh, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-    for bh, bk, w, s in [(64, 16, 8, 1), (64, 32, 8, 1), (32, 16, 8, 1), (32, 32, 8, 1), (16, 16, 4, 1),
-                         (16, 32, 8, 1)]
+    for bh, bk, w, s in [(64, 32, 8, 2), (64, 16, 8, 2), (32, 32, 8, 1), (32, 16, 8, 1)]
 ]
+
+
+def _bwd_config_faults(block_h: int, block_k: int, num_stages: int, k: int) -> bool:
+    """Whether Triton 3.6 builds a faulting backward for this config: with BLOCK_H = 64 the kernel hits an illegal
+    address on the H200 unless its K loop is software-pipelined, i.e. num_stages >= 2 and at least two iterations
+    (seen at K = 2,051 with (64, 16, 8, 1) and (64, 32, 8, 1), and at K = 16 with (64, 16, 8, 2) and (64, 32, 8, 2);
+    K = 32, 48 and 2,051 with (64, 16, 8, 2) and K = 2,051 with (64, 32, 8, 2) ran and matched the reference;
+    (32, 16, 8, 1) ran at K = 16, a one-iteration loop, too). A faulting config would end the process (the error
+    is sticky), so none is offered."""
+    return block_h > 32 and (num_stages < 2 or k < 2 * block_k)
+
+
+def _prune_bwd(configs, named_args, **kwargs):
+    k = kwargs.get("K", named_args.get("K"))
+    safe = [c for c in configs if not _bwd_config_faults(c.kwargs["BLOCK_H"], c.kwargs["BLOCK_K"], c.num_stages, k)]
+    return _prune(safe, named_args, **kwargs)
 
 
 @triton.jit
@@ -114,6 +133,7 @@ def _bwd_kernel(
     lse = tl.load(LSE + b * sl_b + t * sl_t + offs_h, mask=mh, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # empty rows: p = 0
     dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    q_t, do_t = tl.trans(q), tl.trans(do)
     idx_row = IDX + b * si_b + t * si_t
     kv_row = KV + b * skv_b
     dkv_row = DKV + b * skv_b
@@ -127,9 +147,11 @@ def _bwd_kernel(
         dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kv.dtype), kv, input_precision=PRECISION)
-        dkv = tl.dot(tl.trans((ds * scale).to(q.dtype)), q, input_precision=PRECISION)
-        dkv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-        tl.atomic_add(dkv_row + idx[:, None] * skv_t + offs_d[None, :], dkv, mask=valid[:, None] & md[None, :],
+        # dkv transposed, [D, BLOCK_K]: the MMA's rows are the latent's D (not the BLOCK_K keys), so with all heads in
+        # one program every product is a Hopper wgmma and q, do stay in shared memory once
+        dkv_t = tl.dot(q_t, (ds * scale).to(q.dtype), input_precision=PRECISION)
+        dkv_t += tl.dot(do_t, p.to(do.dtype), input_precision=PRECISION)
+        tl.atomic_add(dkv_row + idx[None, :] * skv_t + offs_d[:, None], dkv_t, mask=valid[None, :] & md[:, None],
                       sem="relaxed")
     dq_ptr = DQ + b * sdq_b + t * sdq_t + offs_h[:, None] * sdq_h + offs_d[None, :]
     tl.store(dq_ptr, (dq * scale).to(DQ.dtype.element_ty), mask=mhd)
@@ -137,7 +159,7 @@ def _bwd_kernel(
 
 _fwd_tuned = triton.autotune(_FWD_CONFIGS, key=["H", "K", "D"], prune_configs_by={"early_config_prune": _prune})(
     _fwd_kernel)
-_bwd_tuned = triton.autotune(_BWD_CONFIGS, key=["H", "K", "D"], prune_configs_by={"early_config_prune": _prune},
+_bwd_tuned = triton.autotune(_BWD_CONFIGS, key=["H", "K", "D"], prune_configs_by={"early_config_prune": _prune_bwd},
                              reset_to_zero=["DKV"])(_bwd_kernel)
 
 
@@ -183,5 +205,8 @@ def sparse_mla_bwd_triton(dout: Tensor, q: Tensor, kv: Tensor, indices: Tensor, 
         grid = lambda m: (bsz * seqlen, triton.cdiv(heads, m["BLOCK_H"]))  # noqa: E731
         _bwd_tuned[grid](*args, **meta)
     else:
+        if _bwd_config_faults(config["BLOCK_H"], config["BLOCK_K"], config.get("num_stages", 3), k):
+            raise ValueError(f"sparse_mla_bwd_triton: config {config} faults under Triton 3.6 at K = {k} "
+                             f"(BLOCK_H = 64 needs num_stages >= 2 and K >= 2 * BLOCK_K)")
         _bwd_kernel[(bsz * seqlen, triton.cdiv(heads, config["BLOCK_H"]))](*args, **meta, **config)
     return dq, dkv.to(kv.dtype)
