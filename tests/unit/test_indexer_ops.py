@@ -205,3 +205,20 @@ def test_custom_op_contracts():
     torch.library.opcheck(torch.ops.torchtitan_glm.indexer_kl_dense.default,
                           (q, w, pk, lay.pools.start, lay.last, lay.pools.key, lay.doc.key, aq, akv, 0.4, kpool, 3,
                            True))
+
+
+def test_exact_tf32_sets_and_restores_the_matmul_precision():
+    from torchtitan_glm.ops.indexer_kl import _bf16_on_cuda, exact_tf32
+
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    with exact_tf32(False):
+        assert matmul.fp32_precision == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with exact_tf32(True):
+            assert matmul.fp32_precision == "tf32"
+            raise RuntimeError("inside")
+    assert matmul.fp32_precision == before
+    # the training path's BF16 attention inputs on CUDA only; FP32 inputs (the parity tests) keep IEEE FP32
+    assert not _bf16_on_cuda(torch.zeros(1, dtype=torch.bfloat16))
+    assert not _bf16_on_cuda(torch.zeros(1, dtype=torch.float32))

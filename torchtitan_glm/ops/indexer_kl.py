@@ -19,6 +19,9 @@ count nowhere. Rows with support but an all-zero target (its mass underflowed) c
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from torch import Tensor
 
@@ -40,6 +43,29 @@ def _kl_tile(scores: Tensor, support: Tensor, mass: Tensor, need_grad: bool) -> 
     if need_grad:
         grad = torch.where(support & rows[:, None], logq.exp() - target, torch.zeros_like(target))
     return kl, rows.sum(), grad
+
+
+@contextlib.contextmanager
+def exact_tf32(enabled: bool) -> Iterator[None]:
+    """CUDA matmuls in TF32 while enabled, for FP32 copies of BF16 tensors: BF16's 8-bit significand fits TF32's 11
+    bits, so no input is rounded, each product is exact in FP32 and the sums stay FP32. The result is the FP32
+    matmul's up to summation order, at tensor-core rate: without it the attention logits of the KL target ran as
+    FP32 FFMA GEMMs, 47.5 ms of the proxy's 760 ms training step on the H200 (2026-12-04 profile,
+    docs/performance.md). Only torch's fp32_precision API is used (mixing it with allow_tf32 is an error)."""
+    if not enabled:
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    prev = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = prev
+
+
+def _bf16_on_cuda(*tensors: Tensor) -> bool:
+    return all(t.is_cuda and t.dtype == torch.bfloat16 for t in tensors)
 
 
 def _score_grads(w: Tensor, r: Tensor, dscores: Tensor, dim: int) -> tuple[Tensor, Tensor]:
@@ -73,6 +99,7 @@ def indexer_kl_sparse_tiled(
     gi = _flat_indices(indices, attn_kv.shape[1])
     kl_sum, rows = torch.zeros((), dtype=ct, device=q.device), torch.zeros((), dtype=ct, device=q.device)
     dq, dw, dpk = (torch.zeros_like(qf), torch.zeros_like(wf), torch.zeros_like(pkf)) if need_grad else (None,) * 3
+    tf32 = _bf16_on_cuda(attn_q, attn_kv)  # the target's logits from BF16 values: TF32 is exact (exact_tf32)
     for s in range(0, n_all if k else 0, tile):  # k = 0 (fewer than kpool tokens): no pool, no counted query
         e = min(s + tile, n_all)
         sel = gp[s:e]
@@ -80,7 +107,7 @@ def indexer_kl_sparse_tiled(
         pks = pkf[sel.clamp(min=0)]  # [n, k, d]
         r = torch.relu(torch.bmm(qf[s:e], pks.transpose(1, 2)) * dim_i**-0.5)  # [n, H, k]
         scores = torch.bmm(wf[s:e].unsqueeze(1), r).squeeze(1)
-        with torch.no_grad():
+        with torch.no_grad(), exact_tf32(tf32):
             idx = gi[s:e]
             kvg = akv[idx.clamp(min=0)]  # [n, K, R]
             logits = torch.bmm(aq[s:e].to(ct), kvg.transpose(1, 2)) * scale
@@ -116,11 +143,12 @@ def indexer_kl_dense_tiled(
     kl_sum, rows = torch.zeros((), dtype=ct, device=q.device), torch.zeros((), dtype=ct, device=q.device)
     dq, dw, dpk = (torch.zeros_like(qc), torch.zeros_like(wc), torch.zeros_like(pkc)) if need_grad else (None,) * 3
     slot_tokens = pool_start.unsqueeze(-1) + torch.arange(kpool, device=q.device)  # [B, P, kpool]
+    tf32 = _bf16_on_cuda(attn_q, attn_kv)  # the target's logits from BF16 values: TF32 is exact (exact_tf32)
     for b, t0, t1, width in query_tiles(bsz, seqlen, num_slots, tile=tile, kpool=kpool, offset=q_start):
         p0, p1 = q_start + t0, q_start + t1  # the tile's row positions
         scores, r = index_scores(qc[b, t0:t1], wc[b, t0:t1], pkc[b, :width])
         support = visible(pool_last[b, :width], pool_key[b, :width], doc_key[b, p0:p1], p0)
-        with torch.no_grad():
+        with torch.no_grad(), exact_tf32(tf32):
             t = torch.arange(p0, p1, device=q.device)
             allowed = (torch.arange(p1, device=q.device)[None, :] <= t[:, None]) & (
                 doc_key[b, None, :p1] == doc_key[b, p0:p1, None])
