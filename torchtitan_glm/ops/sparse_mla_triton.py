@@ -4,7 +4,8 @@ Why hand-written: no maintained library ships a Triton sparse MLA for training; 
 Hopper CUDA and forward-only, TileLang's (tile-ai/tilelang examples/deepseek_v32) need the TileLang compiler.
 
 One program handles one query and BLOCK_H of its heads, looping over its K indices in blocks of BLOCK_K: the
-gathered [BLOCK_K, D] latent rows are the keys and the values of every head in the block (MQA).
+gathered [BLOCK_K, D] latent rows are the keys and the values of every head in the block (MQA). The backward forms a
+block's dkv transposed, [D, BLOCK_K], so that all 64 heads fit one program as wgmma products (see _BWD_CONFIGS).
 
 dkv uses FP32 atomic adds into a [B, T, D] buffer: a key receives contributions from every query that selected it,
 and any deterministic alternative needs the inverse selection (a sort of B*T*K indices) and then gathers each
