@@ -1,5 +1,6 @@
-"""The indexer KL's target logits on CUDA: TF32 tensor-core matmuls when the attention inputs are BF16
-(ops/indexer_kl.py::exact_tf32), which must give the FP32 result, since BF16 values pass through TF32 unrounded."""
+"""The indexer KL's target on CUDA for BF16 attention inputs must be the FP32 computation's: the dense KL's logits as
+TF32 matmuls (ops/indexer_kl.py::exact_tf32: BF16 values pass through TF32 unrounded), the sparse KL's head-summed
+probabilities from a Triton kernel (ops/sparse_mla.py::sparse_mla_head_probs)."""
 
 from __future__ import annotations
 

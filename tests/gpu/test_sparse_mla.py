@@ -135,6 +135,25 @@ def test_backward_at_small_k(k):
     assert _rms_ratio(dq, rdq) < 1e-2 and _rms_ratio(dkv, rdkv) < 1e-2
 
 
+@pytest.mark.parametrize("k", [19, K])
+def test_head_probs_triton_matches_reference(k):
+    """The sparse indexer KL's target (ops/sparse_mla.py::sparse_mla_head_probs): the Triton kernel on BF16 against
+    the torch reference on the same values in FP32 (BF16 products are exact in FP32, so only sums differ)."""
+    from torchtitan_glm.ops.sparse_mla import _flat_indices, sparse_mla_head_probs, sparse_mla_head_probs_reference
+
+    seqlen = 2048
+    q, kv, idx = _inputs(seqlen, torch.bfloat16, seed=k)
+    if k != K:
+        pos = torch.arange(seqlen, device="cuda")
+        idx = (pos[:, None] - torch.arange(k, device="cuda")[None, :]).clamp(min=-1).int()[None]
+    rows, kvr, gi = q.reshape(seqlen, H, D), kv.reshape(seqlen, D), _flat_indices(idx, seqlen)
+    got = sparse_mla_head_probs(rows, kvr, gi, scale=SCALE)
+    want = sparse_mla_head_probs_reference(rows.float(), kvr.float(), gi, scale=SCALE)
+    assert got.dtype == torch.float32 and got.shape == (seqlen, k)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * H)
+    torch.testing.assert_close(got.sum(-1), torch.full_like(got[:, 0], float(H)), rtol=1e-4, atol=0)  # H softmaxes
+
+
 def test_deterministic_mode_uses_the_reference_backward(monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses deterministic mode without it
     q, kv, idx = _inputs(1024, torch.bfloat16, seed=2)

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .indexer_topk import index_scores, query_tiles, visible
-from .sparse_mla import _flat_indices
+from .sparse_mla import _flat_indices, sparse_mla_head_probs
 
 __all__ = ["indexer_kl_dense", "indexer_kl_sparse"]
 
@@ -49,9 +49,10 @@ def _kl_tile(scores: Tensor, support: Tensor, mass: Tensor, need_grad: bool) -> 
 def exact_tf32(enabled: bool) -> Iterator[None]:
     """CUDA matmuls in TF32 while enabled, for FP32 copies of BF16 tensors: BF16's 8-bit significand fits TF32's 11
     bits, so no input is rounded, each product is exact in FP32 and the sums stay FP32. The result is the FP32
-    matmul's up to summation order, at tensor-core rate: without it the attention logits of the KL target ran as
+    matmul's up to summation order, at tensor-core rate: without it the dense KL target's attention logits ran as
     FP32 FFMA GEMMs, 47.5 ms of the proxy's 760 ms training step on the H200 (2026-12-04 profile,
-    docs/performance.md). Only torch's fp32_precision API is used (mixing it with allow_tf32 is an error)."""
+    docs/performance.md). (The sparse KL's target comes from a Triton kernel on CUDA: sparse_mla_head_probs.) Only
+    torch's fp32_precision API is used (mixing it with allow_tf32 is an error)."""
     if not enabled:
         yield
         return
@@ -94,12 +95,10 @@ def indexer_kl_sparse_tiled(
     pkf = pk.reshape(-1, dim_i).to(ct)
     offset = (torch.arange(bsz, device=q.device) * num_slots).view(bsz, 1, 1)
     gp = torch.where(pool_ids >= 0, pool_ids + offset, -1).view(n_all, k)
-    # The latent [T, R] is cast once; the queries [T, H, R] (H times larger) per tile.
-    aq, akv = attn_q.reshape(n_all, *attn_q.shape[2:]), attn_kv.reshape(-1, attn_kv.shape[-1]).to(ct)
+    aq, akv = attn_q.reshape(n_all, *attn_q.shape[2:]), attn_kv.reshape(-1, attn_kv.shape[-1])
     gi = _flat_indices(indices, attn_kv.shape[1])
     kl_sum, rows = torch.zeros((), dtype=ct, device=q.device), torch.zeros((), dtype=ct, device=q.device)
     dq, dw, dpk = (torch.zeros_like(qf), torch.zeros_like(wf), torch.zeros_like(pkf)) if need_grad else (None,) * 3
-    tf32 = _bf16_on_cuda(attn_q, attn_kv)  # the target's logits from BF16 values: TF32 is exact (exact_tf32)
     for s in range(0, n_all if k else 0, tile):  # k = 0 (fewer than kpool tokens): no pool, no counted query
         e = min(s + tile, n_all)
         sel = gp[s:e]
@@ -107,13 +106,9 @@ def indexer_kl_sparse_tiled(
         pks = pkf[sel.clamp(min=0)]  # [n, k, d]
         r = torch.relu(torch.bmm(qf[s:e], pks.transpose(1, 2)) * dim_i**-0.5)  # [n, H, k]
         scores = torch.bmm(wf[s:e].unsqueeze(1), r).squeeze(1)
-        with torch.no_grad(), exact_tf32(tf32):
-            idx = gi[s:e]
-            kvg = akv[idx.clamp(min=0)]  # [n, K, R]
-            logits = torch.bmm(aq[s:e].to(ct), kvg.transpose(1, 2)) * scale
-            logits = logits.masked_fill((idx < 0)[:, None], float("-inf"))
-            any_token = (idx >= 0).any(-1)[:, None, None]  # queries with no token: 0, not the softmax's NaN
-            probs = torch.where(any_token, logits.softmax(-1), torch.zeros_like(logits)).sum(1)  # [n, K]
+        with torch.no_grad():
+            # the attention's probabilities over its K tokens, summed over heads ([n, K]; Triton on CUDA)
+            probs = sparse_mla_head_probs(aq[s:e], akv, gi[s:e], scale=scale).to(ct)
             mass = probs[:, : k * kpool].reshape(-1, k, kpool).sum(-1) * support
         kl, n_rows, dscores = _kl_tile(scores, support, mass, need_grad)
         kl_sum, rows = kl_sum + kl, rows + n_rows

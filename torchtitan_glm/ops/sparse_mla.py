@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["sparse_mla", "sparse_mla_reference", "sparse_mla_reference_bwd"]
+__all__ = ["sparse_mla", "sparse_mla_reference", "sparse_mla_reference_bwd", "sparse_mla_head_probs"]
 
 # Floats one reference tile may hold per [rows, K, D] gather (64 MiB in FP32); the tile is this over K * (D + H).
 _TILE_ELEMENTS = 1 << 24
@@ -101,6 +101,30 @@ def sparse_mla_reference_bwd(
         contrib = torch.bmm(ds.transpose(1, 2), qt) * scale + torch.bmm(p.transpose(1, 2), dot)  # [n, K, D]
         dkv.index_add_(0, idx.clamp(min=0).flatten(), contrib.flatten(0, 1))  # invalid slots add exact zeros
     return torch.empty_like(q).copy_(dq.view(q.shape)), dkv.view(kv.shape).to(kv.dtype)
+
+
+def sparse_mla_head_probs_reference(q: Tensor, kv: Tensor, indices: Tensor, *, scale: float) -> Tensor:
+    """sparse_mla_head_probs for one tile of queries, in torch: [n, H, K] logits, then the softmax summed over
+    heads (FP32, FP64 for FP64 inputs)."""
+    ct = _compute_dtype(q)
+    valid = indices >= 0
+    kvg = kv[indices.clamp(min=0)].to(ct)  # [n, K, D], gathered in kv's dtype, then cast
+    logits = (torch.bmm(q.to(ct), kvg.transpose(1, 2)) * scale).masked_fill(~valid[:, None, :], float("-inf"))
+    any_token = valid.any(-1)[:, None, None]  # queries with no token: 0, not the softmax's NaN
+    return torch.where(any_token, logits.softmax(-1), torch.zeros_like(logits)).sum(1)
+
+
+def sparse_mla_head_probs(q: Tensor, kv: Tensor, indices: Tensor, *, scale: float) -> Tensor:
+    """[n, K]: each query's attention probabilities over its K indices summed over its H heads, 0 for -1 slots and
+    for queries without any index. q [n, H, D], kv [M, D], indices [n, K] int64 rows of kv. No gradient: the sparse
+    indexer KL's target (ops/indexer_kl.py). CUDA with 16-bit inputs: a Triton kernel (no [n, H, K] tensor, no
+    atomics, so deterministic), else the torch reference."""
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and kv.dtype == q.dtype:
+        from .sparse_mla_triton import sparse_mla_head_probs_triton
+
+        with torch.cuda.device(q.device):
+            return sparse_mla_head_probs_triton(q, kv, indices, scale=scale)
+    return sparse_mla_head_probs_reference(q, kv, indices, scale=scale)
 
 
 def _rows(x: Tensor) -> Tensor:
