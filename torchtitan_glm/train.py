@@ -359,6 +359,9 @@ class Trainer:
                                         if device_bytes else 0,
                                         planned=planned_memory(self.argv, gpus=self.world, device_bytes=device_bytes)))
         self.step = restored or 0
+        missed = self.profiler.missed(self.step + 1)
+        if missed and self.rank == 0:
+            logger.warning(missed)
         losses_seen: list[float] = []
         steps_total = cfg.training.steps
         tokens_per_step = cfg.training.seq_len * cfg.training.local_batch_size * self.dims.dp

@@ -9,6 +9,7 @@ import os
 import socket
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from types import SimpleNamespace
@@ -97,3 +98,16 @@ def test_device_busy_is_the_union_of_kernel_intervals_without_annotations():
               ev(30, 90, device=DeviceType.CPU)]  # host ops
     assert device_busy_us(events) == 17
     assert device_busy_us([]) == 0
+
+
+def test_a_resumed_run_past_the_window_is_told_so(tmp_path):
+    from torchtitan_glm.components.profiling import StepProfiler
+    from torchtitan_glm.config import ProfilingConfig
+
+    cpu = torch.device("cpu")
+    prof = StepProfiler(cfg=ProfilingConfig(enable=True, start_step=10, steps=2), dump_folder=str(tmp_path), rank=0,
+                        device=cpu)
+    assert prof.missed(1) is None and prof.missed(10) is None
+    assert "profiling.start_step=10" in prof.missed(11)
+    off = StepProfiler(cfg=ProfilingConfig(), dump_folder=str(tmp_path), rank=0, device=cpu)
+    assert off.missed(50) is None

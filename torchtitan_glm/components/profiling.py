@@ -52,6 +52,13 @@ class StepProfiler:
         self._t0 = 0.0
         self.summary: str | None = None  # the header line of the last window written
 
+    def missed(self, first_step: int) -> str | None:
+        """A warning when a run that starts (or resumes) at first_step cannot reach the whole window, else None."""
+        if self.cfg.enable and first_step > self.first:
+            return (f"profiling: the run starts at step {first_step}, after profiling.start_step={self.first}: "
+                    f"nothing is profiled")
+        return None
+
     def __enter__(self) -> "StepProfiler":
         return self
 
