@@ -44,15 +44,20 @@ def test_pinned_host_memory_equals_measured(fig):
     assert _plan(fig).memory.host_pinned / GIB == pytest.approx(fig["host_pinned_gib"], rel=0.01)
 
 
-# train.py's own per-step overheads (issue 12: ~30-50% of its measured step beyond the benchmark's) are not modelled
-BENCH_SPEED = [f for f in CURRENT if "tokens_per_s" in f and f["scope"] != "train"]
+SPEED = [f for f in CURRENT if "tokens_per_s" in f]
+BENCH_SPEED = [f for f in SPEED if f["scope"] != "train"]
 
 
-@pytest.mark.parametrize("fig", BENCH_SPEED, ids=lambda f: f["name"])
-def test_benchmark_tokens_per_s_within_15_percent_of_measured(fig):
+@pytest.mark.parametrize("fig", SPEED, ids=lambda f: f["name"])
+def test_tokens_per_s_within_15_percent_of_measured(fig):
     """Compiled and eager, with and without AC, 4K to 128K: the planned rate (measured kernel rates plus one
-    elementwise term per regime, planner/hardware.py) against scripts/benchmark.py's."""
+    elementwise term per regime, planner/hardware.py) against scripts/benchmark.py's; for train.py's runs also its
+    optimizer step, gradient clip and FSDP2 copies (measured in the ninth session's profile)."""
     assert _plan(fig).time.tokens_per_s == pytest.approx(fig["tokens_per_s"], rel=0.15), fig["name"]
+
+
+def test_train_rows_are_checked_for_speed():
+    assert any(f["scope"] == "train" for f in SPEED)
 
 
 def test_speed_rows_cover_eager_under_ac_and_compiled():

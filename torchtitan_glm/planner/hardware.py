@@ -39,6 +39,12 @@ class GpuSpec:
     # measured (derived): memory-bound time per token and decoder block by AC regime, the proxy benchmark's step
     # less every modelled term (docs/performance.md, planner section)
     elementwise_s_per_token_block: dict = dataclasses.field(default_factory=dict)
+    # measured: train.py's optimizer step per trainable element, by optimizer.name (the others: a bytes model)
+    optimizer_s_per_param: dict = dataclasses.field(default_factory=dict)
+    # measured: FSDP2's own copies and casts around its collectives, per element a rank gathers (forward and again
+    # for backward) and per gradient element it reduces
+    fsdp_gather_copy_s_per_elem: float = 0.0
+    fsdp_reduce_copy_s_per_elem: float = 0.0
 
     def assumptions(self) -> list[str]:
         g = 1e9
@@ -51,7 +57,10 @@ class GpuSpec:
             f"{self.attention_masked / 1e12:.0f} TFLOP/s (all T x T pairs), sparse DSA attention "
             f"{self.attention_sparse / 1e12:.0f} TFLOP/s (T x K gathered pairs), FLA KDA "
             f"{self.kda_fwd_bwd_s_per_token_head * 1e9:.1f} ns per token-head fwd+bwd, fused CE "
-            f"{self.fused_ce_s_per_token * 1e6:.2f} us per token, HBM {self.hbm_bandwidth / 1e12:.1f} TB/s",
+            f"{self.fused_ce_s_per_token * 1e6:.2f} us per token, HBM {self.hbm_bandwidth / 1e12:.1f} TB/s; "
+            + ", ".join(f"{k} step {v * 1e12:.1f} ps" for k, v in self.optimizer_s_per_param.items())
+            + f" per parameter (others: bytes at HBM speed); FSDP2 copies {self.fsdp_gather_copy_s_per_elem * 1e12:.2f}"
+            f" ps per gathered and {self.fsdp_reduce_copy_s_per_elem * 1e12:.2f} ps per reduced element",
             f"assumed: network: {self.gpus_per_node} GPUs per node, NVLink bus bandwidth {self.nvlink_busbw / g:.0f} "
             f"GB/s, InfiniBand {self.ib_busbw / g:.0f} GB/s per GPU, all-to-all at {self.a2a_efficiency:.0%} of "
             f"those, {self.collective_latency_s * 1e6:.0f} us per collective; host link {self.host_link / g:.0f} GB/s "
@@ -74,9 +83,11 @@ H200 = GpuSpec(
     fp8_speedup_rowwise=1.31,
     gemm_fp32=53e12,
     attention_masked=199e12,
-    # scripts/bench_dsa.py, one proxy DSA layer's sparse op fwd+bwd (docs/performance.md, 2026-12-03): 3.5 x 2 x T x
-    # K x 64 heads x 2 x 512 FLOP with K = 2,051 in 290.0 ms at T = 32,768 (106 TFLOP/s), 64.4 ms at 8,192 (120),
-    # 32.1 ms at 4,096 (120). Before it was timed the planner assumed 270 TFLOP/s.
+    # scripts/bench_dsa.py, one proxy DSA layer's sparse op fwd+bwd: 3.5 x 2 x T x K x 64 heads x 2 x 512 FLOP with
+    # K = 2,051: 290.0 ms at T = 32,768 (106 TFLOP/s), 64.4 ms at 8,192 (120), 32.1 ms at 4,096 (120). Before it was
+    # timed the planner assumed 270. The transposed-dkv backward (docs/performance.md, ninth session) runs 191.2 ms at
+    # 32,768 (161 TFLOP/s). The end-to-end rows in tests/unit/planner_measured_h200.json ran the earlier kernel, and
+    # at 161 the 128K eager row would plan 17% fast, so the rate stays at 115 until those rows are measured again.
     attention_sparse=115e12,
     kda_fwd_bwd_s_per_token_head=21.8e-3 / (32768 * 32),
     kda_fwd_s_per_token_head=4.34e-3 / (32768 * 32),
@@ -99,6 +110,13 @@ H200 = GpuSpec(
     # planner section, lists the figures.
     elementwise_s_per_token_block={"compiled": 1.90e-6, "selective": 2.89e-6, "full": 3.32e-6, "eager": 8.57e-6,
                                    "eager_full": 15.3e-6, "eager_selective": 9.56e-6},
+    # train.py on the proxy (7.95e9 trainable elements, FSDP2 on one GPU), profiled steps 12-13 (docs/performance.md,
+    # ninth session): torchao AdamW8bit's step spans 185.7 ms of the device's time per step (137.6 ms of kernels,
+    # the rest launch gaps); FSDP2's pre-forward and pre-backward casts 20.2 and 23.6 ms (one gather each), its
+    # post-backward reduce copies 34.8 ms. The gradient clip (26.1 ms) matches the bytes model (12 B per element).
+    optimizer_s_per_param={"AdamW8bit": 185.7e-3 / 7.95e9},
+    fsdp_gather_copy_s_per_elem=(20.2e-3 + 23.6e-3) / 2 / 7.95e9,
+    fsdp_reduce_copy_s_per_elem=34.8e-3 / 7.95e9,
 )
 
 GPUS = {"h200": H200}

@@ -7,7 +7,7 @@ from .hardware import GIB
 
 _LABELS = {"dense_gemm": "dense GEMMs", "expert_gemm": "expert GEMMs", "lm_head_ce": "LM head + CE", "kda": "KDA",
            "dsa_attention": "DSA attention", "indexer_fp32": "indexer", "kl_target_fp32": "KL target",
-           "elementwise": "elementwise", "optimizer": "optimizer"}
+           "elementwise": "elementwise", "optimizer": "optimizer + clip", "fsdp_copies": "FSDP2 copies"}
 
 
 def _gib(x: float) -> str:

@@ -11,7 +11,9 @@ Compute terms (FLOPs from the trainer's own counts, times from measured rates, h
   logits) run in FP32 at the measured FP32 rate.
 - Memory-bound work (mHC, norms, gates, convs, routing) that no FLOP count sees: a time per token and block, the
   residual of the measured proxy benchmark after the terms above (hardware.GpuSpec.elementwise_s_per_token_block).
-- The optimizer: fused AdamW and the gradient clip stream 40 bytes per local trainable parameter at HBM speed.
+- train.py's own work (scope "train"): the optimizer step at its measured time per trainable element (AdamW8bit;
+  AdamW and AdamWFp8 by the bytes they stream at HBM speed), the gradient clip's 12 bytes per element, and FSDP2's
+  copies and casts around its collectives at their measured time per gathered and per reduced element.
 Communication: FSDP all-gathers and reduce-scatters run on side streams and hide behind the neighbouring unit's
 compute (a unit exposes what its collectives take beyond that compute); expert all-to-all, tensor- and context-
 parallel collectives and the replicated-gradient all-reduce are on the critical path.
@@ -28,9 +30,31 @@ from .comms import Collective, fsdp_collectives, other_collectives
 from .hardware import GpuSpec
 from .layout import Layout
 from .model import ModelInventory
-from .params import local_trainable_elements
+from .params import local_trainable_elements, trainable_unit_bytes, unit_bytes
 
-OPTIMIZER_BYTES_PER_PARAM = 40  # AdamW: read p, g, m, v and write p, m, v (28 B); clip: norm + scale (12 B)
+# Bytes per trainable element where no time is measured. AdamW: read p, g, m, v and write p, m, v (FP32: 28 B);
+# AdamWFp8 / AdamW8bit: the moments 1 B each (16 B). The clip: the norm reads g, the scale reads and writes it (12 B).
+OPTIMIZER_BYTES_PER_PARAM = {"AdamW": 28, "AdamWFp8": 16, "AdamW8bit": 16}
+CLIP_BYTES_PER_PARAM = 12
+
+
+def optimizer_seconds(name: str, elements: int, gpu: GpuSpec) -> float:
+    """The optimizer step plus the gradient clip over `elements` trainable elements of one rank."""
+    rate = gpu.optimizer_s_per_param.get(name)
+    step = elements * rate if rate is not None else elements * OPTIMIZER_BYTES_PER_PARAM[name] / gpu.hbm_bandwidth
+    return step + elements * CLIP_BYTES_PER_PARAM / gpu.hbm_bandwidth
+
+
+def fsdp_copy_seconds(inv: ModelInventory, layout: Layout, gpu: GpuSpec, *, with_mtp: bool) -> float:
+    """FSDP2's copies and casts on one rank per step: each unit's unsharded parameters once per all-gather (forward,
+    and again for backward when the unit reshards), its unsharded trainable gradients once per reduce."""
+    gathered = reduced = 0
+    for u in inv.units:
+        if u.kind == "mtp" and not with_mtp:
+            continue
+        gathered += unit_bytes(u, layout, dtype_bytes=1, sharded=False) * (1 + int(u.reshard_after_forward))
+        reduced += trainable_unit_bytes(u, layout, dtype_bytes=1)
+    return gathered * gpu.fsdp_gather_copy_s_per_elem + reduced * gpu.fsdp_reduce_copy_s_per_elem
 
 
 @dataclass
@@ -105,7 +129,8 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
     rate = regime if ctx.compiled or regime in ("compiled", "eager") else f"eager_{regime}"
     out["elementwise"] = gpu.elementwise_s_per_token_block[rate] * tokens * len(layers)
     if train:
-        out["optimizer"] = OPTIMIZER_BYTES_PER_PARAM * local_trainable_elements(inv, layout) / gpu.hbm_bandwidth
+        out["optimizer"] = optimizer_seconds(inv.optimizer, local_trainable_elements(inv, layout), gpu)
+        out["fsdp_copies"] = fsdp_copy_seconds(inv, layout, gpu, with_mtp=with_mtp)
     return out
 
 
