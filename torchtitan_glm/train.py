@@ -141,22 +141,28 @@ def check_offload_host_memory(cfg: JobConfig, args: Glm5ModelArgs, *, cp: int, l
                           "context_parallel_degree")
 
 
-def planned_memory(argv: list[str] | None, *, gpus: int, device_bytes: int | None) -> str | None:
-    """The planner's peak for this run (scripts/plan.py on the same arguments), for the start-up summary: the
-    allocated peak with its parts against the device's memory. None without a GPU (the plan is of CUDA kernels) or
-    arguments; a plan the planner cannot make says why instead (it never stops the run)."""
+def planned_rows(argv: list[str] | None, *, gpus: int, device_bytes: int | None,
+                 device_name: str = "") -> tuple[str | None, str | None]:
+    """The planner's figures for this run (scripts/plan.py on the same arguments), for the start-up summary: (the
+    allocated peak with its parts against the device's memory, the step time and tokens/s). None without a GPU (the
+    plan is of CUDA kernels) or arguments; the speed only on an H200, whose kernel rates the planner holds. A plan
+    the planner cannot make says why instead (it never stops the run)."""
     if argv is None or device_bytes is None:
-        return None
+        return None, None
     from torchtitan_glm.planner import Request, get_gpu, plan
     from torchtitan_glm.planner.hardware import GIB
 
     try:
-        m = plan(Request(tuple(argv), gpus, get_gpu("h200", memory_bytes=device_bytes), "train")).memory
+        p = plan(Request(tuple(argv), gpus, get_gpu("h200", memory_bytes=device_bytes), "train"))
     except Exception as e:  # noqa: BLE001 - a summary row, not a check
-        return f"not planned ({one_line(e)})"
+        return f"not planned ({one_line(e)})", None
+    m, t = p.memory, p.time
     parts = " | ".join(f"{k} {v / GIB:.1f}" for k, v in m.breakdown.items() if v)
-    return (f"{m.peak / GIB:.1f} GiB allocated at {m.peak_at}, reserve {m.reserved / GIB:.1f} GiB, of the device's "
+    peak = (f"{m.peak / GIB:.1f} GiB allocated at {m.peak_at}, reserve {m.reserved / GIB:.1f} GiB, of the device's "
             f"{device_bytes / GIB:.1f} (GiB: {parts}; scripts/plan.py)")
+    speed = (f"{t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, {t.step_s:.3f} s per step (H200 kernel rates; "
+             "scripts/plan.py)") if "H200" in device_name else None
+    return peak, speed
 
 
 class Trainer:
@@ -164,7 +170,7 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig, *, argv: list[str] | None = None) -> None:
         self.cfg = cfg
-        self.argv = argv  # train.py's arguments, for the start-up summary's planned peak (None: no plan)
+        self.argv = argv  # train.py's arguments, for the start-up summary's planned figures (None: no plan)
         dims, self.args = check_layout(cfg)
         self.rank, self.world, self.device = init_distributed(cpu_backend=cfg.optimizer.cpu_offload)
         if cfg.training.deterministic:
@@ -351,13 +357,15 @@ class Trainer:
         if restored is not None and restored >= cfg.training.steps:
             return []
         if self.rank == 0:
-            device_bytes = device_memory(self.device)  # None off CUDA: no planned peak, nothing pinned
+            device_bytes = device_memory(self.device)  # None off CUDA: no planned figures, nothing pinned
+            peak, speed = planned_rows(self.argv, gpus=self.world, device_bytes=device_bytes,
+                                       device_name=torch.cuda.get_device_name(self.device) if device_bytes else "")
             logger.info(startup_summary(cfg=cfg, args=self.args, model=self.model, world=self.world,
                                         dp_size=self.dims.dp, device=self.device, resume=self._resume_state,
                                         layout=self.dims.describe(), device_bytes=device_bytes,
                                         host_pinned=offload_pinned_bytes(cfg, self.args, cp=self.dims.cp)
                                         if device_bytes else 0,
-                                        planned=planned_memory(self.argv, gpus=self.world, device_bytes=device_bytes)))
+                                        planned=peak, planned_speed=speed))
         self.step = restored or 0
         missed = self.profiler.missed(self.step + 1)
         if missed and self.rank == 0:

@@ -128,24 +128,29 @@ def test_startup_summary_shows_the_pinned_host_memory_of_offload_inputs():
         assert (got is None) if row is None else got.startswith(row), got
 
 
-def test_planned_peak_row_is_the_planners_and_never_stops_the_run():
+def test_planned_rows_are_the_planners_and_never_stop_the_run():
     from torchtitan_glm.planner import Request, plan
     from torchtitan_glm.planner.hardware import GIB, H200
-    from torchtitan_glm.train import planned_memory
+    from torchtitan_glm.train import planned_rows
 
     argv = ["--config", "train_configs/glm5_3_flash_proxy.toml"]
-    want = plan(Request(tuple(argv), 1, H200, "train")).memory
-    row = planned_memory(argv, gpus=1, device_bytes=int(H200.memory_bytes))
-    assert row.startswith(f"{want.peak / GIB:.1f} GiB allocated at {want.peak_at}, reserve {want.reserved / GIB:.1f}")
-    parts = " | ".join(f"{k} {v / GIB:.1f}" for k, v in want.breakdown.items() if v)
+    want = plan(Request(tuple(argv), 1, H200, "train"))
+    row, speed = planned_rows(argv, gpus=1, device_bytes=int(H200.memory_bytes), device_name="NVIDIA H200")
+    m = want.memory
+    assert row.startswith(f"{m.peak / GIB:.1f} GiB allocated at {m.peak_at}, reserve {m.reserved / GIB:.1f}")
+    parts = " | ".join(f"{k} {v / GIB:.1f}" for k, v in m.breakdown.items() if v)
     assert f"of the device's 139.8 (GiB: {parts}; scripts/plan.py)" in row and "optimizer 15.0" in parts
-    assert planned_memory(argv, gpus=1, device_bytes=None) is None  # CPU: no plan of CUDA kernels
-    assert planned_memory(None, gpus=1, device_bytes=int(H200.memory_bytes)) is None
-    bad = planned_memory([*argv, "--optimizer.cpu_offload", "true", "--optimizer.name", "AdamW"], gpus=1,
-                         device_bytes=int(H200.memory_bytes))
-    assert bad.startswith("not planned (") and "cpu_offload" in bad
+    assert speed.startswith(f"{want.time.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, {want.time.step_s:.3f} s")
+    # the speed only where the planner's kernel rates were measured; nothing without a GPU (CPU) or arguments
+    assert planned_rows(argv, gpus=1, device_bytes=int(H200.memory_bytes), device_name="NVIDIA A100")[1] is None
+    assert planned_rows(argv, gpus=1, device_bytes=None) == (None, None)
+    assert planned_rows(None, gpus=1, device_bytes=int(H200.memory_bytes)) == (None, None)
+    bad, no_speed = planned_rows([*argv, "--optimizer.cpu_offload", "true", "--optimizer.name", "AdamW"], gpus=1,
+                                 device_bytes=int(H200.memory_bytes), device_name="NVIDIA H200")
+    assert bad.startswith("not planned (") and "cpu_offload" in bad and no_speed is None
     cfg = load_config(argv)
     model = Glm5Model(get_flavor("debug"))
     text = startup_summary(cfg=cfg, args=model.args, model=model, world=1, dp_size=1, device=torch.device("cpu"),
-                           resume="fresh start", planned=row)
-    assert dict(re.findall(r"^  (\S+(?: \S+)?)\s{2,}(.+)$", text, flags=re.M))["planned peak"] == row
+                           resume="fresh start", planned=row, planned_speed=speed)
+    rows = dict(re.findall(r"^  (\S+(?: \S+)?)\s{2,}(.+)$", text, flags=re.M))
+    assert rows["planned peak"] == row and rows["planned speed"] == speed

@@ -135,12 +135,12 @@ def _model_line(cfg: Any, args: Any) -> str:
 
 def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_size: int, device: torch.device,
                     resume: str, layout: str = "", device_bytes: int | None = None, host_pinned: int = 0,
-                    planned: str | None = None) -> str:
+                    planned: str | None = None, planned_speed: str | None = None) -> str:
     """The block rank 0 logs before the first step: model, parameters, layout, precision, memory per rank,
     tokens per step, where outputs go, and whether the run resumes. `device_bytes` (the accelerator's memory): a
     "fits" row saying when parameters, gradients and optimizer states alone already exceed it. `host_pinned`: the
-    host bytes activation_checkpoint.offload_inputs pins per rank (a row when > 0). `planned`: the planner's peak
-    (activations included), a row when given."""
+    host bytes activation_checkpoint.offload_inputs pins per rank (a row when > 0). `planned`, `planned_speed`: the
+    planner's peak (activations included) and step time, rows when given."""
     from torchtitan_glm.components.metrics import count_params
 
     counts = count_params(args)
@@ -169,6 +169,7 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
                         f"{format_bytes(mem['optimizer'])} ({opt.name}; sharded state{where}); activations not "
                         "included"),
         *([("planned peak", planned)] if planned else []),
+        *([("planned speed", planned_speed)] if planned_speed else []),
         *([("host offload", f"{format_bytes(host_pinned)} pinned host memory per rank for the checkpointed blocks' "
                              "inputs (activation_checkpoint.offload_inputs)")] if host_pinned else []),
         ("loss buffers", f"{format_bytes(ce['logits_chunk'])} logits chunk, "
