@@ -88,6 +88,29 @@ def host_peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux KiB; the lifetime peak
 
 
+def host_memory_gib(device: torch.device) -> dict[str, float]:
+    """This process's resident host memory now, by kind (RssAnon, RssFile, RssShmem of /proc/self/status), and on
+    CUDA what torch's pinned-memory caching allocator holds ("pinned_reserved") and hands out ("pinned_allocated"):
+    to tell pinned offload buffers from other host growth (the compiled 128K run's host OOM, docs/performance.md)."""
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(":")[0]
+                if key in ("RssAnon", "RssFile", "RssShmem"):
+                    out[key[3:].lower()] = round(int(line.split()[1]) / 2**20, 2)
+    except OSError:
+        pass
+    if device.type == "cuda":
+        try:
+            stats = torch.cuda.host_memory_stats()
+            out["pinned_reserved"] = round(stats.get("reserved_bytes.current", 0) / 2**30, 2)
+            out["pinned_allocated"] = round(stats.get("allocated_bytes.current", 0) / 2**30, 2)
+        except (AttributeError, RuntimeError):
+            pass
+    return out
+
+
 def auto_ac(seq_len: int) -> str:
     """Activation checkpointing for the proxy on one H200 (139 GiB): selective up to 32K tokens, full above."""
     return "selective" if seq_len <= 32768 else "full"
@@ -295,7 +318,8 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
                   tflops=round(tps * flops_per_token(args, seq_len) / 1e12, 1), loss=timed["loss"],
                   tokens_sha1=digest(tokens), dsa_dense_max_len=args.dsa_dense_max_len,
                   moe_chunk_tokens=moe_chunk_tokens, offload_inputs=offloaded,
-                  offloaded_gib_per_step=round(offloaded_gib, 3), host_peak_rss_gib=round(host_peak_rss_gib(), 2))
+                  offloaded_gib_per_step=round(offloaded_gib, 3), host_peak_rss_gib=round(host_peak_rss_gib(), 2),
+                  host_gib_after=host_memory_gib(device))
     del model
     gc.collect()
     if device.type == "cuda":

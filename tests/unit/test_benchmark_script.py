@@ -64,6 +64,9 @@ def test_sweep_rows_report_their_own_host_peak_and_offload(tmp_path):
     long, short = json.loads(out.read_text())
     assert (long["ac"], long["offload_inputs"], long["offloaded_gib_per_step"]) == ("full+offload", True, 0.0)
     assert 0 < short["host_peak_rss_gib"] < long["host_peak_rss_gib"], (short, long)
+    # the host memory by kind after the steps (on CUDA also the pinned caching allocator's)
+    after = long["host_gib_after"]
+    assert set(after) == {"anon", "file", "shmem"} and 0 < after["anon"] <= long["host_peak_rss_gib"], after
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message shown without CUDA")
