@@ -153,18 +153,27 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
             rdq, rdkv = sparse_mla_reference_bwd(do, q, kv, idx, ref, ref_lse, scale=0.3)
             assert rel(dq, rdq) < 3 * tol, (shape, dtype, cfg, "dq", rel(dq, rdq))
             assert rel(dkv, rdkv) < 3 * tol, (shape, dtype, cfg, "dkv", rel(dkv, rdkv))
-    # the sparse KL's target: head-summed probabilities, two head blocks when H = 17 > BLOCK_H = 16
+    # the sparse KL's target: head-summed probabilities (H = 17 pads a 32-wide head block)
     from torchtitan_glm.ops.sparse_mla import _flat_indices, sparse_mla_head_probs_reference
     from torchtitan_glm.ops.sparse_mla_triton import sparse_mla_head_probs_triton
     for shape, dtype, tol in cases:
         q, kv, idx = _case(seed=6, dtype=dtype, **shape)
         n = q.shape[0] * q.shape[1]
         rows, kvr, gi = q.reshape(n, *q.shape[2:]), kv.reshape(-1, kv.shape[-1]), _flat_indices(idx, kv.shape[1])
+        block_h = max(16, 1 << (shape["heads"] - 1).bit_length())
         got = sparse_mla_head_probs_triton(rows, kvr, gi, scale=0.3,
-                                           config=dict(BLOCK_H=16, BLOCK_K=16, num_warps=4, num_stages=1))
+                                           config=dict(BLOCK_H=block_h, BLOCK_K=16, num_warps=4, num_stages=1))
         want = sparse_mla_head_probs_reference(rows, kvr, gi, scale=0.3)
         assert got.dtype == torch.float32 and (want.sum(-1) == 0).any(), "empty rows are in the case"
         assert rel(got, want) < tol, (shape, dtype, "head probs", rel(got, want))
+        if shape["heads"] > 16:  # a block narrower than the heads is refused, not summed in part
+            try:
+                sparse_mla_head_probs_triton(rows, kvr, gi, scale=0.3,
+                                             config=dict(BLOCK_H=16, BLOCK_K=16, num_warps=4, num_stages=1))
+            except ValueError as e:
+                assert "BLOCK_H >= H" in str(e), e
+            else:
+                raise AssertionError("BLOCK_H < H was not refused")
     # the 64-head backward needs a pipelined K loop under Triton 3.6 (ops/sparse_mla_triton.py::_bwd_config_faults)
     q, kv, idx = _case(seed=5, dtype=torch.float32, seqlen=21, heads=5, dim=24, k=40)
     wide = dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=2)

@@ -117,9 +117,9 @@ def sparse_mla_head_probs_reference(q: Tensor, kv: Tensor, indices: Tensor, *, s
 def sparse_mla_head_probs(q: Tensor, kv: Tensor, indices: Tensor, *, scale: float) -> Tensor:
     """[n, K]: each query's attention probabilities over its K indices summed over its H heads, 0 for -1 slots and
     for queries without any index. q [n, H, D], kv [M, D], indices [n, K] int64 rows of kv. No gradient: the sparse
-    indexer KL's target (ops/indexer_kl.py). CUDA with 16-bit inputs: a Triton kernel (no [n, H, K] tensor, no
-    atomics, so deterministic), else the torch reference."""
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and kv.dtype == q.dtype:
+    indexer KL's target (ops/indexer_kl.py). CUDA with 16-bit inputs and at most 64 heads: a Triton kernel (no
+    [n, H, K] tensor, no atomics, so deterministic), else the torch reference."""
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and kv.dtype == q.dtype and q.shape[1] <= 64:
         from .sparse_mla_triton import sparse_mla_head_probs_triton
 
         with torch.cuda.device(q.device):

@@ -31,7 +31,7 @@ _LOG2E = 1.4426950408889634
 
 def _prune(configs, named_args, **kwargs):
     """Drop head blocks wider than the head count needs (tl.dot wants at least 16 rows)."""
-    need = max(16, triton.next_power_of_2(kwargs.get("H", named_args.get("H"))))  # an argument, or a constexpr
+    need = max(16, triton.next_power_of_2(named_args["H"]))
     kept = [c for c in configs if c.kwargs["BLOCK_H"] <= need]
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_H"])]
 
@@ -165,48 +165,56 @@ def _probs_kernel(
     H: tl.constexpr, K: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # P (FP32, zeroed) gets sum_h softmax_k of one query; a program owns its row, so the head blocks add without atomics
+    # one program per query, all its heads in one block (BLOCK_H >= H): the sum over heads stays in registers, and a
+    # program writes each element of its P row once
     n = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     md = offs_d < D
+    offs_h = tl.arange(0, BLOCK_H).to(tl.int64)
+    mh = offs_h < H
     idx_row = IDX + n * si_n
-    p_row = P + n * sp_n
-    for h0 in range(0, H, BLOCK_H):
-        offs_h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
-        mh = offs_h < H
-        q = tl.load(Q + n * sq_n + offs_h[:, None] * sq_h + offs_d[None, :], mask=mh[:, None] & md[None, :],
-                    other=0.0)
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        for k0 in range(0, K, BLOCK_K):  # pass 1: each head's log-sum-exp (base 2, scaled logits)
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            idx = tl.load(idx_row + offs_k, mask=offs_k < K, other=-1).to(tl.int64)
-            valid = idx >= 0
-            kv = tl.load(KV + idx[:, None] * skv_m + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
-            s = tl.where(valid[None, :], tl.dot(q, tl.trans(kv)) * scale_log2e, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l_i = l_i * tl.exp2(m_i - m_use) + tl.sum(tl.exp2(s - m_use[:, None]), 1)
-            m_i = m_new
-        # empty rows and padding heads: lse = +inf, so their probabilities are 0
-        lse2 = tl.where(mh & (l_i > 0.0), m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("inf"))
-        for k0 in range(0, K, BLOCK_K):  # pass 2: the probabilities, summed over this block's heads
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mk = offs_k < K
-            idx = tl.load(idx_row + offs_k, mask=mk, other=-1).to(tl.int64)
-            valid = idx >= 0
-            kv = tl.load(KV + idx[:, None] * skv_m + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(kv)) * scale_log2e
-            p = tl.where(valid[None, :], tl.exp2(s - lse2[:, None]), 0.0)
-            tl.store(p_row + offs_k, tl.load(p_row + offs_k, mask=mk, other=0.0) + tl.sum(p, 0), mask=mk)
+    q = tl.load(Q + n * sq_n + offs_h[:, None] * sq_h + offs_d[None, :], mask=mh[:, None] & md[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # pass 1: each head's log-sum-exp (base 2, scaled logits)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(idx_row + offs_k, mask=offs_k < K, other=-1).to(tl.int64)
+        valid = idx >= 0
+        kv = tl.load(KV + idx[:, None] * skv_m + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
+        s = tl.where(valid[None, :], tl.dot(q, tl.trans(kv)) * scale_log2e, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp2(m_i - m_use) + tl.sum(tl.exp2(s - m_use[:, None]), 1)
+        m_i = m_new
+    # empty rows and padding heads: lse = +inf, so their probabilities are 0
+    lse2 = tl.where(mh & (l_i > 0.0), m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("inf"))
+    for k0 in range(0, K, BLOCK_K):  # pass 2: the probabilities, summed over the heads
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mk = offs_k < K
+        idx = tl.load(idx_row + offs_k, mask=mk, other=-1).to(tl.int64)
+        valid = idx >= 0
+        kv = tl.load(KV + idx[:, None] * skv_m + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(kv)) * scale_log2e
+        p = tl.where(valid[None, :], tl.exp2(s - lse2[:, None]), 0.0)
+        tl.store(P + n * sp_n + offs_k, tl.sum(p, 0), mask=mk)
 
 
+# Up to 64 heads in one block (GLM-5.3-Flash has 64); ptxas for sm_90 at H = 64, D = 512: no spills.
+PROBS_MAX_HEADS = 64
 _PROBS_CONFIGS = [
     triton.Config({"BLOCK_H": bh, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-    for bh, bk, w, s in [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2)]
+    for bh, bk, w, s in [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (32, 64, 4, 2), (16, 32, 4, 2)]
 ]
-_probs_tuned = triton.autotune(_PROBS_CONFIGS, key=["H", "K", "D"], prune_configs_by={"early_config_prune": _prune},
-                               reset_to_zero=["P"])(_probs_kernel)
+
+
+def _prune_probs(configs, named_args, **kwargs):
+    """The one head-block width that holds every head: max(16, next power of two of H)."""
+    need = max(16, triton.next_power_of_2(kwargs["H"]))
+    return [c for c in configs if c.kwargs["BLOCK_H"] == need]
+
+
+_probs_tuned = triton.autotune(_PROBS_CONFIGS, key=["H", "K", "D"],
+                               prune_configs_by={"early_config_prune": _prune_probs})(_probs_kernel)
 
 
 _fwd_tuned = triton.autotune(_FWD_CONFIGS, key=["H", "K", "D"], prune_configs_by={"early_config_prune": _prune})(
@@ -266,14 +274,16 @@ def sparse_mla_bwd_triton(dout: Tensor, q: Tensor, kv: Tensor, indices: Tensor, 
 
 def sparse_mla_head_probs_triton(q: Tensor, kv: Tensor, indices: Tensor, *, scale: float,
                                  config: dict | None = None) -> Tensor:
-    """[n, K] FP32: sum over heads of softmax_k(q_h . kv[indices_k] * scale) for q [n, H, D] (last dim contiguous),
-    kv [M, D] and indices [n, K] rows of kv (-1 none): the sparse indexer KL's target (ops/sparse_mla.py::
-    sparse_mla_head_probs). Two passes over K per head block (the log-sum-exp, then the probabilities), so nothing
-    of size [n, H, K] exists; BF16 products, FP32 sums."""
+    """[n, K] FP32: sum over heads of softmax_k(q_h . kv[indices_k] * scale) for q [n, H, D] (last dim contiguous,
+    H <= PROBS_MAX_HEADS), kv [M, D] and indices [n, K] rows of kv (-1 none): the sparse indexer KL's target
+    (ops/sparse_mla.py::sparse_mla_head_probs). Two passes over K (the log-sum-exp, then the probabilities), so
+    nothing of size [n, H, K] exists; BF16 products, FP32 sums."""
     n, heads, dim = q.shape
     k = indices.shape[-1]
+    if heads > PROBS_MAX_HEADS or (config is not None and config["BLOCK_H"] < heads):
+        raise ValueError(f"sparse_mla_head_probs_triton: {heads} heads need BLOCK_H >= H and H <= {PROBS_MAX_HEADS}")
     q, kv, indices = _rows(q), kv.contiguous(), indices.contiguous()
-    probs = torch.zeros(n, k, dtype=torch.float32, device=q.device)
+    probs = torch.empty(n, k, dtype=torch.float32, device=q.device)
     args = (q, kv, indices, probs, scale * _LOG2E, q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
             probs.stride(0))
     meta = dict(H=heads, K=k, D=dim, BLOCK_D=triton.next_power_of_2(dim))
