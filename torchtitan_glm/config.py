@@ -340,6 +340,14 @@ class LossConfig(_Section):
         self._require(self.indexer_tile_elements >= 1, "indexer_tile_elements", "must be >= 1")
 
 
+FSDP_RESHARD = ("default", "always", "never")
+
+
+def reshard_after_forward(policy: str, *, head: bool) -> bool:
+    """parallelism.fsdp_reshard_after_forward for one FSDP2 unit (the final norm + LM head unit, or another)."""
+    return policy == "always" or (policy == "default" and not head)
+
+
 @dataclass(frozen=True)
 class ParallelismConfig(_Section):
     """[parallelism] Device mesh (TorchTitan's keys). The degrees multiply to the world size:
@@ -352,6 +360,10 @@ class ParallelismConfig(_Section):
     the ranks that hold the same experts (replicate x shard x cp / ep of them) each keep only their share of those
     experts' rows, parameters, gradients and optimizer states, as FSDP2 does for the rest of the model (the experts'
     op gathers them per layer); false keeps every rank's experts whole and all-reduces their gradients.
+    fsdp_reshard_after_forward (TorchTitan's key): "default" frees each block's gathered parameters after its forward
+    and gathers them again for its backward (the final norm + LM head stay gathered: their backward comes next);
+    "always" frees the head's too; "never" keeps every unit gathered from its forward to its backward: one all-gather
+    (on one GPU: one cast) less per block and step, for the compute-dtype copy of the parameters held meanwhile.
     """
 
     SECTION: ClassVar[str] = "parallelism"
@@ -361,8 +373,10 @@ class ParallelismConfig(_Section):
     context_parallel_degree: int = 1
     expert_parallel_degree: int = 1
     expert_fsdp: bool = True
+    fsdp_reshard_after_forward: str = "default"
 
     def validate(self) -> None:
+        self._choice("fsdp_reshard_after_forward", FSDP_RESHARD)
         self._require(self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
                       "data_parallel_shard_degree", "must be -1 (infer) or >= 1")
         for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "context_parallel_degree",

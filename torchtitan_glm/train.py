@@ -221,7 +221,7 @@ class Trainer:
             offload_inputs=cfg.activation_checkpoint.offload_inputs,
             compile_enable=cfg.compile.enable, compile_backend=cfg.compile.backend, compile_mode=cfg.compile.mode,
             compile_components=cfg.compile.components, cpu_offload=cfg.optimizer.cpu_offload,
-            expert_fsdp=cfg.parallelism.expert_fsdp)
+            expert_fsdp=cfg.parallelism.expert_fsdp, fsdp_reshard=cfg.parallelism.fsdp_reshard_after_forward)
         if not small:
             model.to_empty(device=self.device)
             model.init_weights()

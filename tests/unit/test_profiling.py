@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from types import SimpleNamespace
 
@@ -18,19 +14,6 @@ from torch.autograd import DeviceType
 
 from torchtitan_glm.components.profiling import device_busy_us
 from torchtitan_glm.config import ConfigError, load_config
-
-
-@pytest.fixture
-def world_of_one():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    for k in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        os.environ.pop(k, None)
 
 
 def _cfg(tmp_path, *overrides: str):

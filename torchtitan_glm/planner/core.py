@@ -202,7 +202,8 @@ def build_inventory(cfg: JobConfig, *, scope: str) -> ModelInventory:
         raise PlanError("optimizer.cpu_offload: the planner does not model host-resident parameters, gradients and "
                         "optimizer states; plan without it")
     model, line = build_meta_model(cfg, args=args)
-    inv = inventory(model, line, recipe=cfg.float8.recipe if cfg.float8.enable else None)
+    inv = inventory(model, line, recipe=cfg.float8.recipe if cfg.float8.enable else None,
+                    fsdp_reshard=cfg.parallelism.fsdp_reshard_after_forward)
     return dataclasses.replace(inv, optimizer=cfg.optimizer.name)
 
 

@@ -110,6 +110,11 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
     def gathered(u: Unit | None) -> float:
         return unit_bytes(u, layout, dtype_bytes=setup.param_bytes, sharded=False) if (train and u) else 0.0
 
+    def transient(u: Unit | None) -> float:
+        """A unit's gathered parameters while it (or its prefetch) runs; a unit that does not reshard after forward
+        (parallelism.fsdp_reshard_after_forward) holds them from its forward to its backward instead."""
+        return gathered(u) if (u is None or u.reshard_after_forward) else 0.0
+
     def expert_cast(u: Unit) -> float:
         """Expert parallelism: the rank's experts (out of FSDP2) are cast to the compute dtype inside the MoE op."""
         if not train or layout.ep == 1:
@@ -143,8 +148,10 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
             w.live["fsdp_buffers"] += gathered(head)
         nxt = order[i + 1] if i + 1 < len(order) else None
         s = block_saved(u)
+        if not u.reshard_after_forward:  # gathered now, freed after its backward
+            w.live["fsdp_buffers"] += gathered(u)
         w.point(f"forward {u.name}", activations=s, working=fwd_work(u) + expert_cast(u),
-                fsdp_buffers=gathered(u) + gathered(nxt))
+                fsdp_buffers=transient(u) + transient(nxt))
         w.live["activations"] += s
         kept[u.name] = s
         if u.kind != "embed":
@@ -196,8 +203,10 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
         work = 0.0 if u.kind == "embed" else backward_work(u.kind, setup.regime, ctx,
                                                              shared_indexer=u.shared_indexer)
         w.point(f"backward {u.name}", working=work + expert_cast(u), gradients=grads,
-                fsdp_buffers=gathered(u) + gathered(before))
+                fsdp_buffers=transient(u) + transient(before))
         w.live["activations"] -= kept[u.name]
+        if not u.reshard_after_forward:
+            w.live["fsdp_buffers"] -= gathered(u)
         if train:
             _reduce(w, u, layout, setup, grads, f"reduce-scatter {u.name}")
         else:

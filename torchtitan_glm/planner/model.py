@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torchtitan_glm.config import FLOAT8_ROLES, JobConfig
+from torchtitan_glm.config import FLOAT8_ROLES, JobConfig, reshard_after_forward
 from torchtitan_glm.float8 import convert_float8, param_precisions
 from torchtitan_glm.models.glm5 import Glm5Model
 from torchtitan_glm.models.glm5.args import Glm5ModelArgs
@@ -129,8 +129,10 @@ def tensor_parallel_dims(model: Glm5Model) -> dict[int, int]:
     return out
 
 
-def inventory(model: Glm5Model, float8_line: str, *, recipe: str | None) -> ModelInventory:
-    """Units and parameters of a meta model built by `build_meta_model` (`recipe`: float8.recipe when enabled)."""
+def inventory(model: Glm5Model, float8_line: str, *, recipe: str | None,
+              fsdp_reshard: str = "default") -> ModelInventory:
+    """Units and parameters of a meta model built by `build_meta_model` (`recipe`: float8.recipe when enabled;
+    `fsdp_reshard`: parallelism.fsdp_reshard_after_forward, as parallelize.py applies it)."""
     args = model.args
     kept = {id(p) for p in fp32_kept_params(model)}
     owners = _owners(model)
@@ -151,17 +153,18 @@ def inventory(model: Glm5Model, float8_line: str, *, recipe: str | None) -> Mode
         return Unit(name, kind, tuple(q for q in params if not q.replicated), reshard,
                     tuple(q for q in params if q.replicated), **kw)
 
-    units = [unit("embed_tokens", "embed", [("embed_tokens", model.embed_tokens)], True)]
+    trunk = reshard_after_forward(fsdp_reshard, head=False)
+    units = [unit("embed_tokens", "embed", [("embed_tokens", model.embed_tokens)], trunk)]
     for i, layer in model.layers.items():
         kind = ("dsa" if layer.is_dsa else "kda") + ("_moe" if layer.is_moe else "_dense")
         shared = layer.is_dsa and layer.self_attn.indexer is None
-        units.append(unit(f"layers.{i}", kind, [(f"layers.{i}", layer)], True, shared_indexer=shared))
+        units.append(unit(f"layers.{i}", kind, [(f"layers.{i}", layer)], trunk, shared_indexer=shared))
     head = [("norm", model.norm), ("lm_head", model.lm_head)]
     if getattr(model, "hc_head", None) is not None:
         head.append(("hc_head", model.hc_head))
-    units.append(unit("head", "head", head, False))
+    units.append(unit("head", "head", head, reshard_after_forward(fsdp_reshard, head=True)))
     if model.mtp is not None:
-        units.append(unit("mtp", "mtp", [("mtp", model.mtp)], True))
+        units.append(unit("mtp", "mtp", [("mtp", model.mtp)], trunk))
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     rows = param_precisions(model)
     fp8_roles = frozenset(r["role"] for r in rows if r["precision"].startswith("fp8") and r["role"] != "experts")

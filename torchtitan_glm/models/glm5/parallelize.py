@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from torchtitan_glm.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_glm.compile import apply_compile
+from torchtitan_glm.config import reshard_after_forward
 from torchtitan_glm.distributed.replicated import DEFAULT_BUCKET_BYTES, ReplicaGroup, Replicated
 
 from .dsa import SparseMLA
@@ -178,13 +179,15 @@ def parallelize_glm5(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     cpu_offload: bool = False,
     expert_fsdp: bool = False,
+    fsdp_reshard: str = "default",
 ) -> Replicated:
     """TP -> EP -> AC -> compile -> FSDP2 in place (meshes from ParallelDims.build_mesh); returns the parameters kept
     out of FSDP2 and how to keep them in sync (their gradient all-reduces overlap with backward, in buckets of
     `bucket_bytes`; distributed/replicated.py). cpu_offload: FSDP2 keeps the sharded parameters, their gradients
     (and so the optimizer's states) in (pinned, on a GPU) host memory; the parameters kept out of FSDP2 stay put.
     expert_fsdp: shard the routed experts over the expert-data ranks too (see apply_expert_parallel). offload_inputs:
-    the full-AC blocks' saved inputs wait for backward in host memory (activation_checkpoint.HostOffload)."""
+    the full-AC blocks' saved inputs wait for backward in host memory (activation_checkpoint.HostOffload).
+    fsdp_reshard: parallelism.fsdp_reshard_after_forward (config.reshard_after_forward)."""
     tp, ep = meshes["tp"], meshes.get("ep")
     dp_cp_size = meshes["dp_cp"].size()
     if tp.size() > 1:
@@ -204,13 +207,15 @@ def parallelize_glm5(
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
     kept = fp32_kept_params(model)
     outside = set(kept) | set(experts)
+    trunk_reshard = reshard_after_forward(fsdp_reshard, head=False)
     for block in _blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=True, offload_policy=offload,
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=trunk_reshard, offload_policy=offload,
                     ignored_params={p for p in block.parameters() if p in outside})
-    fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=True, offload_policy=offload)
-    # The head is called once per step after the trunk; keep it gathered from the final norm to the loss.
-    fully_shard([model.norm, model.lm_head], mesh=mesh, mp_policy=mp, reshard_after_forward=False,
+    fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=trunk_reshard,
                 offload_policy=offload)
+    # The head is called once per step after the trunk: by default kept gathered from the final norm to the loss.
+    fully_shard([model.norm, model.lm_head], mesh=mesh, mp_policy=mp,
+                reshard_after_forward=reshard_after_forward(fsdp_reshard, head=True), offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=outside,
                 offload_policy=offload)
     register_fsdp_forward_method(model, "logits")  # the inference entry gets the root's FSDP hooks too
