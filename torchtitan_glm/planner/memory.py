@@ -151,7 +151,7 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
         if not u.reshard_after_forward:  # gathered now, freed after its backward
             w.live["fsdp_buffers"] += gathered(u)
         w.point(f"forward {u.name}", activations=s, working=fwd_work(u) + expert_cast(u),
-                fsdp_buffers=transient(u) + transient(nxt))
+                fsdp_buffers=transient(u) + gathered(nxt))  # the next unit's prefetch is not held yet
         w.live["activations"] += s
         kept[u.name] = s
         if u.kind != "embed":
