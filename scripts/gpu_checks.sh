@@ -18,7 +18,8 @@
 #   compared by scripts/compare_runs.py (end means within 1%).
 #   optim (issue 12): train.py on the proxy, eager (no compile to pay), for each optimizer in OPTIM_NAMES (default
 #   AdamW8bit AdamWFp8 AdamW), OPTIM_STEPS steps with [profiling] on the last two: the optimizer step's device time
-#   (ops.txt, row Optimizer.step#<name>.step) and the peak memory per optimizer.
+#   (ops.txt, row Optimizer.step#<name>.step) and the peak memory per optimizer (full AC: AdamW's FP32 moments alone
+#   take 59 GiB).
 #   multigpu (issue 15; needs a multi-GPU kind): train.py on the proxy with FSDP2 x EP over N GPUs for each N in
 #   MULTI_N (default 1 2 4 8, up to the GPUs present), FP8 split on, MULTI_STEPS steps, one log per N (tokens/s,
 #   MFU, peak memory per GPU in its metric lines; weak scaling = tokens/s per GPU at N / at 1); then CP = 2 x EP on
@@ -117,7 +118,8 @@ case " $STAGES " in *" optim "*)
   steps=${OPTIM_STEPS:-12}
   for name in ${OPTIM_NAMES:-AdamW8bit AdamWFp8 AdamW}; do
     timeout "${OPTIM_TIMEOUT:-200}" torchrun --nproc-per-node 1 train.py --config train_configs/glm5_3_flash_proxy.toml \
-        --optimizer.name "$name" --compile.enable false --training.steps "$steps" --metrics.log_freq 1 \
+        --optimizer.name "$name" --compile.enable false --activation_checkpoint.mode full \
+        --training.steps "$steps" --metrics.log_freq 1 \
         --checkpoint.enable false --metrics.enable_tensorboard false --job.dump_folder "$OUT/optim_$name" \
         --profiling.enable true --profiling.start_step $((steps - 1)) --profiling.steps 2 2>&1 | tee "$OUT/optim_$name.log"
     rm -f "$OUT/optim_$name"/profile_trace/*.json.gz  # the table is what comes back; traces are tens of MB
