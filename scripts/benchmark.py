@@ -76,15 +76,25 @@ def reset_host_peak() -> None:
         pass
 
 
-def host_peak_rss_gib() -> float:
-    """This process's peak resident host memory (pinned offload buffers included) since reset_host_peak, GiB."""
+def _proc_status_gib(*keys: str) -> dict[str, float]:
+    """Fields of /proc/self/status (kB) in GiB; empty where there is no such file."""
+    out: dict[str, float] = {}
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 2**20
+                key = line.split(":")[0]
+                if key in keys:
+                    out[key] = int(line.split()[1]) / 2**20
     except OSError:
         pass
+    return out
+
+
+def host_peak_rss_gib() -> float:
+    """This process's peak resident host memory (pinned offload buffers included) since reset_host_peak, GiB."""
+    peak = _proc_status_gib("VmHWM").get("VmHWM")
+    if peak is not None:
+        return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux KiB; the lifetime peak
 
 
@@ -92,15 +102,7 @@ def host_memory_gib(device: torch.device) -> dict[str, float]:
     """This process's resident host memory now, by kind (RssAnon, RssFile, RssShmem of /proc/self/status), and on
     CUDA what torch's pinned-memory caching allocator holds ("pinned_reserved") and hands out ("pinned_allocated"):
     to tell pinned offload buffers from other host growth (the compiled 128K run's host OOM, docs/performance.md)."""
-    out: dict[str, float] = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key = line.split(":")[0]
-                if key in ("RssAnon", "RssFile", "RssShmem"):
-                    out[key[3:].lower()] = round(int(line.split()[1]) / 2**20, 2)
-    except OSError:
-        pass
+    out = {k[3:].lower(): round(v, 2) for k, v in _proc_status_gib("RssAnon", "RssFile", "RssShmem").items()}
     if device.type == "cuda":
         try:
             stats = torch.cuda.host_memory_stats()

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_host_syncs import _trainer, world_of_one  # noqa: F401  (fixture)
+from tests.unit.test_host_syncs import _trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def test_a_training_step_does_not_sync(tmp_path, world_of_one):  # noqa: F811
+def test_a_training_step_does_not_sync(tmp_path, world_of_one):
     trainer = _trainer(tmp_path, "--training.steps", "3", "--metrics.log_freq", "100",
                        "--optimizer.implementation", "fused", "--training.mixed_precision_param", "bfloat16")
     assert trainer.device.type == "cuda" and trainer.device_skip

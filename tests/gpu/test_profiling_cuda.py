@@ -8,12 +8,12 @@ import re
 import pytest
 import torch
 
-from tests.unit.test_host_syncs import _trainer, world_of_one  # noqa: F401  (fixture)
+from tests.unit.test_host_syncs import _trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def test_profile_window_reports_device_busy_time(tmp_path, world_of_one):  # noqa: F811
+def test_profile_window_reports_device_busy_time(tmp_path, world_of_one):
     trainer = _trainer(tmp_path, "--training.steps", "4", "--metrics.log_freq", "1", "--compile.enable", "false",
                        "--profiling.enable", "true", "--profiling.start_step", "3", "--profiling.steps", "2")
     assert trainer.device.type == "cuda"

@@ -16,6 +16,8 @@ from torchtitan_glm.components.step_stats import StepStats, optimizer_step, supp
 
 
 def _trainer(tmp_path, *overrides: str):
+    """The debug model's trainer on one local rank; a fresh port each call (a test may build several in turn; the
+    `world_of_one` fixture of tests/conftest.py tears the group and the environment down)."""
     from torchtitan_glm.config import load_config
     from torchtitan_glm.train import Trainer
 
@@ -28,15 +30,6 @@ def _trainer(tmp_path, *overrides: str):
                        "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "1",
                        f"--job.dump_folder={tmp_path}", *overrides])
     return Trainer(cfg)
-
-
-@pytest.fixture
-def world_of_one():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    for k in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        os.environ.pop(k, None)
 
 
 def _describe(syncs) -> str:
