@@ -159,7 +159,10 @@ class TrainingConfig(_Section):
     """[training] The optimisation loop.
 
     steps: optimizer steps to run (also the LR schedule length); seq_len: tokens per row;
-    local_batch_size: rows per data-parallel rank per step; max_norm: global gradient-norm clip (> 0);
+    local_batch_size: rows per data-parallel rank per forward/backward (a microbatch); global_batch_size: rows per
+    optimizer step over all data-parallel ranks, -1 = local_batch_size x the data-parallel degree; a multiple of that
+    product accumulates gradients over global / (local x dp) microbatches (TorchTitan's key); max_norm: global
+    gradient-norm clip (> 0);
     mixed_precision_param / mixed_precision_reduce: FSDP2 MixedPrecisionPolicy param and gradient-reduce dtypes;
     deterministic: use deterministic algorithms (torch.use_deterministic_algorithms) for reproducible runs;
     on_nonfinite: what a non-finite loss or gradient norm does: "stop" (exit non-zero naming the step and the
@@ -171,6 +174,7 @@ class TrainingConfig(_Section):
     steps: int = 10
     seq_len: int = 2048
     local_batch_size: int = 1
+    global_batch_size: int = -1
     max_norm: float = 1.0
     mixed_precision_param: str = "bfloat16"
     mixed_precision_reduce: str = "float32"
@@ -182,11 +186,23 @@ class TrainingConfig(_Section):
         self._require(self.steps >= 1, "steps", "must be >= 1")
         self._require(self.seq_len >= 1, "seq_len", "must be > 0")
         self._require(self.local_batch_size >= 1, "local_batch_size", "must be >= 1")
+        self._require(self.global_batch_size == -1 or self.global_batch_size >= 1, "global_batch_size",
+                      "must be -1 (local_batch_size x the data-parallel degree) or >= 1")
         self._require(math.isfinite(self.max_norm) and self.max_norm > 0, "max_norm", "must be a finite number > 0")
         self._choice("mixed_precision_param", _DTYPES)
         self._choice("mixed_precision_reduce", _DTYPES)
         self._choice("on_nonfinite", ("stop", "skip"))
         self._require(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite", "must be >= 1")
+
+    def accumulation_steps(self, dp: int) -> int:
+        """Microbatches per optimizer step under `dp` data-parallel ranks (global_batch_size / (local x dp))."""
+        rows = self.local_batch_size * dp
+        if self.global_batch_size == -1:
+            return 1
+        if self.global_batch_size % rows:
+            self._fail("global_batch_size", f"must be a multiple of local_batch_size x the data-parallel degree = "
+                                            f"{self.local_batch_size} x {dp} = {rows}, got {self.global_batch_size}")
+        return self.global_batch_size // rows
 
 
 @dataclass(frozen=True)

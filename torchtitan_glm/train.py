@@ -33,6 +33,7 @@ from torchtitan_glm.components.step_stats import PendingStep, StepStats, optimiz
 from torchtitan_glm.components.tokenizer import build_tokenizer, check_vocab_fits
 from torchtitan_glm.config import ConfigError, JobConfig, load_config, main_guard
 from torchtitan_glm.distributed.cp_layout import CPLayout
+from torchtitan_glm.distributed.grad_accumulation import GradientAccumulation
 from torchtitan_glm.distributed.parallel_dims import ParallelDims, validate_model_layout, world_size_from_env
 from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8, precompute_float8_scales
 from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs
@@ -108,6 +109,7 @@ def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
     dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size_from_env())
     args = build_model_args(cfg)
     validate_model_layout(dims, args, seq_len=cfg.training.seq_len, expert_fsdp=cfg.parallelism.expert_fsdp)
+    cfg.training.accumulation_steps(dims.dp)
     if torch.cuda.is_available():
         check_offload_host_memory(cfg, args, cp=dims.cp, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                                   available=host_available_memory())
@@ -163,6 +165,10 @@ def planned_rows(argv: list[str] | None, *, gpus: int, device_bytes: int | None,
     speed = (f"{t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, {t.step_s:.3f} s per step (H200 kernel rates; "
              "scripts/plan.py)") if "H200" in device_name else None
     return peak, speed
+
+
+def _add(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    return value if total is None else total + value
 
 
 class Trainer:
@@ -227,6 +233,9 @@ class Trainer:
             model.init_weights()
         self.replicated.broadcast()
         self.model = model
+        self.accumulation = GradientAccumulation.build(
+            model=model, steps=cfg.training.accumulation_steps(dims.dp), cpu_offload=cfg.optimizer.cpu_offload,
+            fsdp_reshard=cfg.parallelism.fsdp_reshard_after_forward)
 
         self.optimizer = build_optimizer(model=model, cfg=cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(optimizer=self.optimizer, cfg=cfg.lr_scheduler,
@@ -237,7 +246,7 @@ class Trainer:
         # parameters) read the flag each step
         self.device_skip = supports_device_skip(self.optimizer, device=self.device)
         self.run_info = run_info(cfg=cfg, args=self.args, tokenizer_vocab_size=self.tokenizer.vocab_size,
-                                 layout=dims.describe(), global_batch_rows=self.dataloader.global_batch_rows)
+                                 layout=dims.describe(), global_batch_rows=self.dataloader.global_batch_rows * self.accumulation.steps)
         self.checkpointer = CheckpointManager(
             cfg=cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, extra_state={"skipped_steps": self.skipped},
@@ -270,49 +279,79 @@ class Trainer:
                                   f"{one_line(e)}") from e
 
     # ---------------------------------------------------------------------------------------------- step
-    def train_step(self, batch: dict[str, torch.Tensor]) -> PendingStep:
-        """One optimizer step (skipped when the loss or gradient norm is not finite), queued without a host sync;
-        its metrics come later from `self.stats.resolve` (with "nonfinite" and "stop")."""
+    def next_batches(self) -> tuple[list[dict[str, torch.Tensor]], list[str]]:
+        """The next optimizer step's microbatches (training.global_batch_size) and where they came from."""
+        batches, documents = [], []
+        for _ in range(self.accumulation.steps):
+            batches.append(next(self.dataloader))
+            documents.extend(self.dataloader.last_documents)
+        return batches, list(dict.fromkeys(documents))
+
+    def train_step(self, batches: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]],
+                   documents: list[str] | None = None) -> PendingStep:
+        """One optimizer step over one batch or a list of microbatches (gradients accumulated), skipped when the loss
+        or gradient norm is not finite, queued without a host sync; its metrics come later from `self.stats.resolve`
+        (with "nonfinite" and "stop"). `documents`: where the batches came from (default: the loader's last batch).
+
+        Every microbatch's CE and MTP tokens are weighted by the step's global token counts, so the accumulated
+        gradient is the one of the whole global batch (to summation order); the indexer KL and the sequence balance
+        loss are means over the microbatches of their per-microbatch values, and the router biases move once, by the
+        step's summed expert loads."""
         cfg = self.cfg.loss
-        # Host-to-device without blocking; the document ids also stay on the host, from where the KDA kernels' varlen
-        # layout is built without a device-to-host copy
-        tokens, labels, doc_ids = (batch[k].to(self.device, non_blocking=True)
-                                   for k in ("input_ids", "labels", "doc_ids"))
-        host_ids = batch["doc_ids"] if batch["doc_ids"].device.type == "cpu" else None
-        batch_ = train_batch(tokens, labels, doc_ids, cp=self.cp, host_doc_ids=host_ids)
-        count, mtp_count = losses.global_token_counts(batch_.labels, batch_.mtp_labels, group=self.dp_group)
+        batches = [batches] if isinstance(batches, dict) else list(batches)
+        documents = list(self.dataloader.last_documents) if documents is None else documents
+        micro = [self._device_batch(b) for b in batches]
+        n = len(micro)
+        count, mtp_count = losses.global_token_counts(*([b.labels for b in micro], [b.mtp_labels for b in micro]),
+                                                      group=self.dp_group)
         scale = losses.token_scale(count, dp_size=self.dp_size)
         use_mtp = self.model.mtp is not None
         mtp_scale = cfg.mtp_weight * losses.token_scale(mtp_count, dp_size=self.dp_size) if use_mtp else 0.0
         use_kl = cfg.indexer_kl_coeff > 0 and self.args.num_dsa_layers > 0
-        out = self.model(batch_, token_scale=scale, mtp_scale=mtp_scale,
-                         indexer_kl=("sparse" if cfg.indexer_sparse_loss else "dense") if use_kl else None,
-                         seq_aux=cfg.seq_aux_loss_coeff > 0, ce_chunk_size=cfg.ce_chunk_size)
-        # Sparse stage: everything trains on CE + MTP (+ KL for the indexer). Dense warm-up: only the indexer's
-        # parameters require grad, and the KL is its objective; the CE is still computed, for the log.
-        total = out.loss if cfg.indexer_stage == "sparse" else out.loss.new_zeros(())
-        kl = None
-        if use_kl:
-            kl = losses.indexer_kl_loss(out.indexer_stats, dp_size=self.dp_size, group=self.dp_group)
-            total = total + cfg.indexer_kl_coeff * kl
-        if cfg.seq_aux_loss_coeff > 0 and out.moe_stats:
-            total = total + cfg.seq_aux_loss_coeff * losses.sequence_aux_loss(out.moe_stats)
-        total.backward()
+        ce_sum, mtp_sum, kl, loads = None, None, None, None
+        for i, batch_ in enumerate(micro):
+            with self.accumulation.microbatch(self.model, self.replicated, last=i == n - 1):
+                out = self.model(batch_, token_scale=scale, mtp_scale=mtp_scale,
+                                 indexer_kl=("sparse" if cfg.indexer_sparse_loss else "dense") if use_kl else None,
+                                 seq_aux=cfg.seq_aux_loss_coeff > 0, ce_chunk_size=cfg.ce_chunk_size)
+                # Sparse stage: everything trains on CE + MTP (+ KL for the indexer). Dense warm-up: only the
+                # indexer's parameters require grad, and the KL is its objective; the CE is still computed, for the log.
+                total = out.loss if cfg.indexer_stage == "sparse" else out.loss.new_zeros(())
+                if use_kl:
+                    kl_i = losses.indexer_kl_loss(out.indexer_stats, dp_size=self.dp_size, group=self.dp_group) / n
+                    total = total + cfg.indexer_kl_coeff * kl_i
+                    kl = kl_i.detach() if kl is None else kl + kl_i.detach()
+                if cfg.seq_aux_loss_coeff > 0 and out.moe_stats:
+                    total = total + cfg.seq_aux_loss_coeff / n * losses.sequence_aux_loss(out.moe_stats)
+                total.backward()
+            ce_sum = _add(ce_sum, out.ce.sum())
+            if use_mtp and out.mtp_ce is not None:
+                mtp_sum = _add(mtp_sum, out.mtp_ce.sum())
+            counts = [st.counts for st in out.moe_stats]
+            loads = counts if loads is None else [a + b for a, b in zip(loads, counts)]
+            del out, total
         self.replicated.allreduce_grads()
         grad_norm = clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
                                     self.cfg.training.max_norm)
         # The step's statistics stay on the device until the host needs them (components/step_stats.py); their
         # one all-reduce also carries this rank's stop request, so every rank shares the stop decision.
         pending = self.stats.record(
-            step=self.step, lr=float(self.lr_scheduler.get_last_lr()[0]),
-            documents=list(self.dataloader.last_documents), ce_sum=out.ce.sum(),
-            mtp_sum=out.mtp_ce.sum() if use_mtp and out.mtp_ce is not None else None, kl=kl, grad_norm=grad_norm,
-            count=count, mtp_count=mtp_count, stop=self.stop.signum is not None)
-        self._optimizer_step(pending, out.moe_stats)
+            step=self.step, lr=float(self.lr_scheduler.get_last_lr()[0]), documents=documents, ce_sum=ce_sum,
+            mtp_sum=mtp_sum, kl=kl, grad_norm=grad_norm, count=count, mtp_count=mtp_count,
+            stop=self.stop.signum is not None)
+        self._optimizer_step(pending, loads or [])
         self.stats.finish(pending)
         return pending
 
-    def _optimizer_step(self, pending: PendingStep, moe_stats: list) -> None:
+    def _device_batch(self, batch: dict[str, torch.Tensor]):
+        """A loader batch on the device, as this rank's TrainBatch. Host-to-device without blocking; the document ids
+        also stay on the host, from where the KDA kernels' varlen layout is built without a device-to-host copy."""
+        tokens, labels, doc_ids = (batch[k].to(self.device, non_blocking=True)
+                                   for k in ("input_ids", "labels", "doc_ids"))
+        host_ids = batch["doc_ids"] if batch["doc_ids"].device.type == "cpu" else None
+        return train_batch(tokens, labels, doc_ids, cp=self.cp, host_doc_ids=host_ids)
+
+    def _optimizer_step(self, pending: PendingStep, loads: list[torch.Tensor]) -> None:
         """The update, the FP8 scales and the router biases, none of it where the step is not finite: decided on the
         device (fused AdamW's found_inf), else from the one flag read now (see components/step_stats.py) under
         training.on_nonfinite = "skip". Under "stop" the update is not held back: the run stops at the step's first
@@ -329,9 +368,9 @@ class Trainer:
                 precompute_float8_scales(self.model, cfg=self.cfg.float8)
         self.lr_scheduler.step()  # the schedule follows the step count, skipped steps included
         self.optimizer.zero_grad(set_to_none=True)
-        if moe_stats and apply is not False:
+        if loads and apply is not False:
             imbalance = losses.update_router_bias(
-                self.model, [s.counts for s in moe_stats], rate=self.cfg.loss.router_bias_update_rate,
+                self.model, loads, rate=self.cfg.loss.router_bias_update_rate,
                 group=self.dp_group, scale=apply if isinstance(apply, torch.Tensor) else None)
             pending.extra["expert_load_imbalance"] = imbalance.mean()
 
@@ -372,7 +411,7 @@ class Trainer:
             logger.warning(missed)
         losses_seen: list[float] = []
         steps_total = cfg.training.steps
-        tokens_per_step = cfg.training.seq_len * cfg.training.local_batch_size * self.dims.dp
+        tokens_per_step = cfg.training.seq_len * cfg.training.local_batch_size * self.dims.dp * self.accumulation.steps
         window_start, window_tokens = time.perf_counter(), 0
         run_start = time.perf_counter()
         self.model.train()
@@ -380,8 +419,8 @@ class Trainer:
             while self.step < steps_total:
                 self.step += 1
                 self.profiler.begin(self.step)
-                batch = next(self.dataloader)
-                self.train_step(batch)
+                batches, documents = self.next_batches()
+                self.train_step(batches, documents)
                 window_tokens += tokens_per_step
                 log_now = self.step % cfg.metrics.log_freq == 0 or self.step == steps_total
                 # The host reads a step's statistics when it logs or saves it, otherwise one step late.

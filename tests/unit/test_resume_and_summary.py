@@ -114,7 +114,7 @@ def test_layout_note_says_what_changed_and_where_the_data_continues():
         f"the parallel layout changed since the checkpoint ({dp2} -> {tp2}): its model and optimizer state are "
         "resharded onto this one and the data continues at global row 80")
     note = layout_note(info(dp2, 8), info(tp2, 4), next_row=80)
-    assert "global batch changed from 8 to 4 rows" in note and "the product is 8" in note
+    assert "global batch changed from 8 to 4 rows" in note and "training.global_batch_size = 8" in note
     assert layout_note({"config": {}}, info(tp2, 4), next_row=80) is None  # a checkpoint from before: no facts
 
 

@@ -153,7 +153,8 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
     opt = cfg.optimizer
     where = "; params, grads and optimizer in host memory (optimizer.cpu_offload)" if opt.cpu_offload else ""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    tokens = cfg.training.seq_len * cfg.training.local_batch_size * dp_size
+    micro = cfg.training.accumulation_steps(dp_size)
+    tokens = cfg.training.seq_len * cfg.training.local_batch_size * dp_size * micro
     ck = cfg.checkpoint
     saving = "async" if ck.async_mode == "async" else "synchronous"
     checkpoints = (f"{os.path.join(cfg.job.dump_folder, ck.folder)} (every {ck.interval} steps, keep "
@@ -177,7 +178,9 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
                          + (f"(FP32: {head_tokens:,} rows > loss.ce_chunk_size {cfg.loss.ce_chunk_size:,})"
                             if ce["fp32_weight_grad"] else "(one chunk: in the weight's dtype)")),
         ("tokens/step", f"{tokens:,} (seq_len {cfg.training.seq_len} x local_batch_size "
-                        f"{cfg.training.local_batch_size} x {dp_size} data-parallel)"),
+                        f"{cfg.training.local_batch_size} x {dp_size} data-parallel"
+                        + (f" x {micro} microbatches accumulated: training.global_batch_size "
+                           f"{cfg.training.global_batch_size} rows)" if micro > 1 else ")")),
         ("steps", f"{cfg.training.steps} (on non-finite loss: {cfg.training.on_nonfinite})"),
         ("dump folder", cfg.job.dump_folder),
         ("tensorboard", tensorboard),

@@ -6,6 +6,8 @@ so FSDP sees one head call per step; here are the token weights that make it a g
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -13,9 +15,12 @@ from torchtitan_glm.models.glm5.dsa import IndexerStats
 from torchtitan_glm.models.glm5.moe import MoEStats, Router
 
 
-def global_token_counts(*labels: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Non-ignored labels of each tensor summed over the data-parallel group: one all-reduce, a float [n] tensor."""
-    counts = torch.stack([(t != -100).sum() for t in labels]).to(torch.float32)
+def global_token_counts(*labels: torch.Tensor | Sequence[torch.Tensor],
+                        group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Non-ignored labels of each argument summed over the data-parallel group: one all-reduce, a float [n] tensor.
+    An argument is a label tensor, or a step's microbatches as a list of them (summed)."""
+    counts = torch.stack([sum((t != -100).sum() for t in ([x] if isinstance(x, torch.Tensor) else x))
+                          for x in labels]).to(torch.float32)
     if dist.is_initialized():
         dist.all_reduce(counts, group=group)
     return counts

@@ -87,7 +87,8 @@ def layout_note(saved: dict[str, Any], current: dict[str, Any], *, next_row: int
         note.append(f"the parallel layout changed since the checkpoint ({old_layout} -> {new_layout}): its model and "
                     f"optimizer state are resharded onto this one and the data continues at global row {next_row}")
     if old_rows and new_rows and old_rows != new_rows:
-        note.append(f"the global batch changed from {old_rows} to {new_rows} rows (training.local_batch_size x the "
-                    f"data-parallel degree): the data continues at global row {next_row}, in batches of {new_rows}; "
-                    f"set training.local_batch_size so that the product is {old_rows} to continue the same batches")
+        note.append(f"the global batch changed from {old_rows} to {new_rows} rows per step (training.global_batch_size"
+                    f"; -1: local_batch_size x the data-parallel degree): the data continues at global row {next_row},"
+                    f" in batches of {new_rows}; set training.global_batch_size = {old_rows} to continue the same "
+                    "batches")
     return "; ".join(note) or None

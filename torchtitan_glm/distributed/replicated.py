@@ -16,8 +16,9 @@ set-up, a one-element collective checked for the mean), else SUM and a multiply.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -83,6 +84,7 @@ class Replicated:
 
     groups: list[ReplicaGroup] = field(default_factory=list)
     buckets: list[_Bucket] = field(default_factory=list)
+    sync: bool = True  # False inside no_sync(): gradients accumulate, no bucket launches
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -122,9 +124,20 @@ class Replicated:
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(self._hook(bucket))
 
-    @staticmethod
-    def _hook(bucket: _Bucket):
+    @contextlib.contextmanager
+    def no_sync(self, enabled: bool = True) -> Iterator[None]:
+        """Inside (when `enabled`), backward accumulates the replicated gradients without launching their
+        all-reduces (gradient accumulation's non-last microbatches, as DDP's no_sync)."""
+        before, self.sync = self.sync, not enabled
+        try:
+            yield
+        finally:
+            self.sync = before
+
+    def _hook(self, bucket: _Bucket):
         def hook(param: torch.Tensor) -> None:
+            if not self.sync:
+                return
             if bucket.work is not None:
                 raise RuntimeError(
                     "a replicated parameter's gradient was accumulated again after its bucket's all-reduce started: "

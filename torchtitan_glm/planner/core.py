@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from torchtitan_glm.config import JobConfig, load_config
+from torchtitan_glm.config import ConfigError, JobConfig, load_config
 
 from .activations import ActContext, offloaded_inputs
 from .hardware import GIB, GpuSpec
@@ -237,9 +237,13 @@ def plan_layout(request: Request, cfg: JobConfig, inv: ModelInventory, layout: L
                       compiled_loss=compiled_loss)
     memory = plan_memory(inv, layout, ctx, setup)
     memory.host_pinned = offloaded_inputs(inv.units, ctx, with_mtp=with_mtp)
+    try:
+        micro = tr.accumulation_steps(layout.dp) if scope == "train" else 1
+    except ConfigError as e:
+        raise PlanError(str(e)) from e
     time = plan_time(inv, layout, request.gpu, ctx, regime=regime, with_mtp=with_mtp, param_bytes=act,
                      reduce_bytes=setup.reduce_bytes, seq_len=tr.seq_len, local_batch=tr.local_batch_size,
-                     train=scope == "train")
+                     train=scope == "train", micro=micro)
     return Plan(request, cfg, layout, verdict, regime, memory, time, inv.float8_line)
 
 

@@ -30,8 +30,10 @@ def plan_text(p: Plan) -> str:
     lines = [
         f"plan: {config} on {r.gpus} x {r.gpu.name} (scope {r.scope})",
         f"layout: {p.layout.describe()}; the trainer {verdict}; parallelisation: {p.design}",
-        f"step: seq_len {cfg.training.seq_len} x local batch {cfg.training.local_batch_size} x dp {p.layout.dp} = "
-        f"{t.tokens_per_step:,} tokens (each row over cp={p.layout.cp} ranks); AC {cfg.activation_checkpoint.mode} "
+        f"step: seq_len {cfg.training.seq_len} x local batch {cfg.training.local_batch_size} x dp {p.layout.dp}"
+        + (f" x {micro} microbatches" if (micro := t.tokens_per_step // (cfg.training.seq_len
+                                         * cfg.training.local_batch_size * p.layout.dp)) > 1 else "")
+        + f" = {t.tokens_per_step:,} tokens (each row over cp={p.layout.cp} ranks); AC {cfg.activation_checkpoint.mode} "
         f"({p.regime}); {p.float8_line}",
         f"memory per GPU: peak {_gib(m.peak)} GiB allocated ({m.peak_at}), reserve estimate {_gib(m.reserved)} GiB "
         f"({m.reserved_at}); budget {_gib(budget)} of {_gib(r.gpu.memory_bytes)} GiB -> {fit}",

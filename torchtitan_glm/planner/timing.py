@@ -45,16 +45,24 @@ def optimizer_seconds(name: str, elements: int, gpu: GpuSpec) -> float:
     return step + elements * CLIP_BYTES_PER_PARAM / gpu.hbm_bandwidth
 
 
-def fsdp_copy_seconds(inv: ModelInventory, layout: Layout, gpu: GpuSpec, *, with_mtp: bool) -> float:
-    """FSDP2's copies and casts on one rank per step: each unit's unsharded parameters once per all-gather (forward,
-    and again for backward when the unit reshards), its unsharded trainable gradients once per reduce."""
-    gathered = reduced = 0
-    for u in inv.units:
-        if u.kind == "mtp" and not with_mtp:
-            continue
-        gathered += unit_bytes(u, layout, dtype_bytes=1, sharded=False) * (1 + int(u.reshard_after_forward))
-        reduced += trainable_unit_bytes(u, layout, dtype_bytes=1)
-    return gathered * gpu.fsdp_gather_copy_s_per_elem + reduced * gpu.fsdp_reduce_copy_s_per_elem
+def fsdp_copy_seconds(inv: ModelInventory, layout: Layout, gpu: GpuSpec, *, with_mtp: bool, micro: int = 1) -> float:
+    """FSDP2's copies and casts on one rank per optimizer step of `micro` microbatches: each unit's unsharded
+    parameters once per all-gather (forward, and again for backward when the unit reshards; under "never" once per
+    step: distributed/grad_accumulation.py holds them between microbatches), its unsharded trainable gradients once
+    per reduce (per microbatch, or once where no parameter is split over ranks and the reduce is deferred)."""
+    units = [u for u in inv.units if with_mtp or u.kind != "mtp"]
+    hold = micro > 1 and not any(u.reshard_after_forward for u in inv.units)
+    gathers = 1 if hold else micro
+    reduces = 1 if reduce_deferred(layout) else micro
+    gathered = sum(unit_bytes(u, layout, dtype_bytes=1, sharded=False) * (1 + int(u.reshard_after_forward))
+                   for u in units)
+    reduced = sum(trainable_unit_bytes(u, layout, dtype_bytes=1) for u in units)
+    return gathers * gathered * gpu.fsdp_gather_copy_s_per_elem + reduces * reduced * gpu.fsdp_reduce_copy_s_per_elem
+
+
+def reduce_deferred(layout: Layout) -> bool:
+    """Whether gradient accumulation reduces FSDP2's gradients once per step: no parameter split over ranks."""
+    return layout.dp_shard * layout.cp == 1 and layout.tp == 1 and layout.ep == 1
 
 
 @dataclass
@@ -75,10 +83,10 @@ def _layers(inv: ModelInventory, with_mtp: bool) -> list:
 
 
 def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime: str, with_mtp: bool,
-                  layout: Layout, train: bool = True) -> dict[str, float]:
-    """Seconds of compute per step on one rank, by term. Tensor parallelism divides the heads' and MLP columns'
-    work; what its plan keeps whole (mHC, norms, router, routed experts, LM head, MLA latents, indexer) every tp rank
-    computes."""
+                  layout: Layout, train: bool = True, micro: int = 1) -> dict[str, float]:
+    """Seconds of compute per optimizer step of `micro` microbatches (training.global_batch_size) on one rank, by
+    term. Tensor parallelism divides the heads' and MLP columns' work; what its plan keeps whole (mHC, norms, router,
+    routed experts, LM head, MLA latents, indexer) every tp rank computes."""
     args = inv.args
     tokens = ctx.tokens
     tp = ctx.tp
@@ -128,15 +136,17 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
     # an eager run under AC (ctx.compiled false) pays eager's elementwise launches, in the forward and the recompute
     rate = regime if ctx.compiled or regime in ("compiled", "eager") else f"eager_{regime}"
     out["elementwise"] = gpu.elementwise_s_per_token_block[rate] * tokens * len(layers)
+    out = {k: v * micro for k, v in out.items()}
     if train:
         out["optimizer"] = optimizer_seconds(inv.optimizer, local_trainable_elements(inv, layout), gpu)
-        out["fsdp_copies"] = fsdp_copy_seconds(inv, layout, gpu, with_mtp=with_mtp)
+        out["fsdp_copies"] = fsdp_copy_seconds(inv, layout, gpu, with_mtp=with_mtp, micro=micro)
     return out
 
 
 def plan_time(inv: ModelInventory, layout: Layout, gpu: GpuSpec, ctx: ActContext, *, regime: str, with_mtp: bool,
-              param_bytes: int, reduce_bytes: int, seq_len: int, local_batch: int, train: bool = True) -> TimePlan:
-    compute = compute_terms(inv, gpu, ctx, regime=regime, with_mtp=with_mtp, layout=layout, train=train)
+              param_bytes: int, reduce_bytes: int, seq_len: int, local_batch: int, train: bool = True,
+              micro: int = 1) -> TimePlan:
+    compute = compute_terms(inv, gpu, ctx, regime=regime, with_mtp=with_mtp, layout=layout, train=train, micro=micro)
     total_compute = sum(compute.values())
     fsdp = fsdp_collectives(inv, layout, gpu, param_bytes=param_bytes, reduce_bytes=reduce_bytes, with_mtp=with_mtp)
     others = other_collectives(inv, layout, gpu, ctx, regime=regime, with_mtp=with_mtp)
@@ -153,8 +163,9 @@ def plan_time(inv: ModelInventory, layout: Layout, gpu: GpuSpec, ctx: ActContext
     if ctx.offload_inputs:  # copies back on the compute stream, not prefetched: exposed (the copies out overlap)
         moved = offloaded_inputs(inv.units, ctx, with_mtp=with_mtp)
         exposed["offloaded block inputs, host to device"] = moved / gpu.host_link
+    exposed = {k: v * micro for k, v in exposed.items()}  # per microbatch (deferred reduces: one rank, none)
     step = total_compute + sum(exposed.values())
-    tokens = layout.dp * local_batch * seq_len
+    tokens = layout.dp * local_batch * seq_len * micro
     tps = tokens / step
     per_gpu = tps / layout.gpus
     fpt = flops_per_token(inv.args if with_mtp else inv.args.replace(num_nextn_predict_layers=0), seq_len)
