@@ -44,13 +44,17 @@ def test_global_batch_size_is_checked():
 
 def test_the_planner_counts_microbatches():
     """A step of 4 microbatches: 4x the model's work and tokens, one optimizer step, FSDP2's copies per microbatch
-    for gathers and once for the reduce (one GPU: nothing split), once in all under "never" (held between them)."""
+    for gathers and once for the reduce (one GPU: nothing split), once in all under "never" (held between them); the
+    gradients held through a later microbatch's forward."""
     from torchtitan_glm.planner import Request, plan
     from torchtitan_glm.planner.hardware import H200
 
     argv = ("--config", "train_configs/glm5_3_flash_proxy.toml")
-    one, four = (plan(Request((*argv, *extra), 1, H200, "train")).time
-                 for extra in ((), ("--training.global_batch_size", "4")))
+    plans = [plan(Request((*argv, *extra), 1, H200, "train")) for extra in ((), ("--training.global_batch_size", "4"))]
+    one, four = (p.time for p in plans)
+    # memory: a later microbatch runs its forward with the step's FP32 gradients already held
+    assert plans[1].memory.peak > plans[0].memory.peak
+    assert plans[1].memory.breakdown["gradients"] >= plans[1].memory.state.grads
     assert four.tokens_per_step == 4 * one.tokens_per_step
     for term, seconds in one.compute_s.items():
         if term == "optimizer":

@@ -232,15 +232,15 @@ def plan_layout(request: Request, cfg: JobConfig, inv: ModelInventory, layout: L
                      offload_inputs=cfg.activation_checkpoint.offload_inputs and regime == "full",
                      compiled=cfg.compile.enable and "model" in cfg.compile.components)
     compiled_loss = cfg.compile.enable and "loss" in cfg.compile.components
-    setup = StepSetup(scope=scope, regime=regime, param_bytes=act,
-                      reduce_bytes=_DTYPE_BYTES[tr.mixed_precision_reduce], ce_chunk=cfg.loss.ce_chunk_size,
-                      compiled_loss=compiled_loss)
-    memory = plan_memory(inv, layout, ctx, setup)
-    memory.host_pinned = offloaded_inputs(inv.units, ctx, with_mtp=with_mtp)
     try:
         micro = tr.accumulation_steps(layout.dp) if scope == "train" else 1
     except ConfigError as e:
         raise PlanError(str(e)) from e
+    setup = StepSetup(scope=scope, regime=regime, param_bytes=act,
+                      reduce_bytes=_DTYPE_BYTES[tr.mixed_precision_reduce], ce_chunk=cfg.loss.ce_chunk_size,
+                      compiled_loss=compiled_loss, accumulated=micro > 1)
+    memory = plan_memory(inv, layout, ctx, setup)
+    memory.host_pinned = offloaded_inputs(inv.units, ctx, with_mtp=with_mtp)
     time = plan_time(inv, layout, request.gpu, ctx, regime=regime, with_mtp=with_mtp, param_bytes=act,
                      reduce_bytes=setup.reduce_bytes, seq_len=tr.seq_len, local_batch=tr.local_batch_size,
                      train=scope == "train", micro=micro)

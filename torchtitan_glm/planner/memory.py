@@ -37,6 +37,7 @@ class StepSetup:
     reduce_bytes: int = 4  # gradient reduce dtype (training.mixed_precision_reduce)
     ce_chunk: int = 4096
     compiled_loss: bool = True
+    accumulated: bool = False  # training.global_batch_size > local x dp: a later microbatch is walked (see plan_memory)
 
 
 @dataclass
@@ -85,7 +86,11 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
     allocates the sharded gradients on its reduce-scatter stream and the all-gather buffers on its all-gather stream;
     blocks freed there stay cached in those streams' pools. So the previous step's gradients (freed by zero_grad)
     stay reserved through the next forward until the backward's reduce-scatters reuse them, and two units' all-gather
-    buffers stay reserved all step."""
+    buffers stay reserved all step.
+
+    Under gradient accumulation (`setup.accumulated`) the walk is of a microbatch after the first: every gradient the
+    step accumulates is live from its start (FP32: sharded, or, where gradient_accumulation.py defers FSDP2's reduce,
+    unsharded in the reduce dtype, the same bytes on one rank), and each unit's reduce adds into it."""
     if setup.scope not in SCOPES:
         raise ValueError(f"unknown scope {setup.scope!r}; choose from {SCOPES}")
     args, a = inv.args, ctx.act
@@ -100,6 +105,9 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
         w.live["optimizer"] = state.optimizer
         gathered_max = max(unit_bytes(u, layout, dtype_bytes=setup.param_bytes, sharded=False) for u in inv.units)
         w.cached = (state.grads - state.replicated_grads) + 2 * gathered_max
+        if setup.accumulated:
+            w.live["gradients"] = state.grads
+            w.cached = 2 * gathered_max
     else:
         w.live["parameters"] = sum(p.numel for p in inv.params) * a + inv.buffer_bytes
 
@@ -237,7 +245,8 @@ def _reduce(w: _Walk, u: Unit, layout: Layout, setup: StepSetup, grads: float, l
     sharded = sum(p.dtype_bytes * _padded(p, layout) for p in u.params if p.trainable and not outside(p, layout))
     rep = outside_unit_bytes(u, layout, trainable_only=True)
     w.point(label, gradients=grads + sharded, working=rs_in)
-    w.live["gradients"] += sharded + rep
+    if not setup.accumulated:  # else added into the gradients held since the first microbatch
+        w.live["gradients"] += sharded + rep
     w.cached = max(0.0, w.cached - sharded)  # the reduce-scatter output reuses the cached gradient blocks
     return rs_in
 
