@@ -18,14 +18,14 @@ def main() -> None:
     rank, step, kind = int(os.environ["TTG_FAIL_RANK"]), int(os.environ["TTG_FAIL_STEP"]), os.environ["TTG_FAIL_KIND"]
     original = train.Trainer.train_step
 
-    def train_step(self, batch):
+    def train_step(self, *args, **kwargs):
         if self.rank == rank and self.step == step:
             if kind == "expected":
                 from torchtitan_glm.components.errors import DataError
 
                 raise DataError(f"injected: rank {rank} cannot use its batch at step {step}")
             raise RuntimeError(f"injected: rank {rank} crashed at step {step}")
-        return original(self, batch)
+        return original(self, *args, **kwargs)
 
     train.Trainer.train_step = train_step
     train.main(sys.argv[1:])
