@@ -1,7 +1,7 @@
 """torchrun worker of test_grad_accumulation.py (2 gloo ranks, FSDP2 over both, fp32): two microbatches of one row
 per rank accumulate the first step's gradients of one batch of two rows per rank, FSDP2 reduce-scattering after
-each microbatch and the replicated parameters' all-reduce deferred to the last; after two steps the losses,
-parameters and router biases agree too. Prints "rank <r> OK". `run` and `compare` also serve the one-rank test
+each microbatch and the replicated parameters' all-reduce deferred to the last, also under expert and context parallelism;
+after two steps the losses, parameters and router biases agree too. Prints "rank <r> OK". `run` and `compare` also serve the one-rank test
 (tests/unit/test_grad_accumulation.py).  usage: _accumulation_worker.py"""
 
 import os
@@ -77,6 +77,19 @@ def main() -> None:
     assert plans == [(1, False, False), (2, False, False), (2, False, True)], plans
     compare(split, whole)
     compare(held, whole)
+    # expert parallelism: the experts' tokens cross ranks in every microbatch's all-to-all; their gradients (outside
+    # FSDP2) accumulate and are reduced once
+    ep = ("--parallelism.expert_parallel_degree", "2")
+    ep_whole = run(folder, *ep, "--training.local_batch_size", "2")
+    ep_split = run(folder, *ep, "--training.local_batch_size", "1", "--training.global_batch_size", "4")
+    assert (ep_split["plan"].steps, ep_split["plan"].defer_fsdp_reduce) == (2, False)
+    compare(ep_split, ep_whole)
+    # context parallelism: both ranks read the same rows (dp = 1), each microbatch's rows split over them
+    cp = ("--parallelism.context_parallel_degree", "2")
+    cp_whole = run(folder, *cp, "--training.local_batch_size", "2")
+    cp_split = run(folder, *cp, "--training.local_batch_size", "1", "--training.global_batch_size", "2")
+    assert cp_split["plan"].steps == 2
+    compare(cp_split, cp_whole)
     print(f"rank {os.environ['RANK']} OK", flush=True)
 
 
