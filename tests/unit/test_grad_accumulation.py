@@ -67,3 +67,21 @@ def test_the_planner_counts_microbatches():
                      for extra in ((), ("--training.global_batch_size", "4")))
     assert four_n.compute_s["fsdp_copies"] == pytest.approx(one_n.compute_s["fsdp_copies"])
     assert four_n.tokens_per_s > four.tokens_per_s > one.tokens_per_s
+
+
+def test_a_resumed_accumulating_run_repeats_the_uninterrupted_one(tmp_path, world_of_one):
+    """4 steps of 2 microbatches, checkpointed at 2 and 4; resumed from step 2, steps 3-4 repeat bit for bit (the
+    loader's position counts every microbatch's rows)."""
+    import shutil
+
+    from torchtitan_glm.train import Trainer
+
+    argv = ["--config", "train_configs/debug_model.toml", "--training.seq_len", "64", "--training.steps", "4",
+            "--training.local_batch_size", "1", "--training.global_batch_size", "2", "--checkpoint.interval", "2",
+            "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "1",
+            f"--job.dump_folder={tmp_path}"]
+    first = Trainer(load_config(argv)).train()
+    dist.destroy_process_group()
+    shutil.rmtree(tmp_path / "checkpoint" / "step-4")
+    again = Trainer(load_config(argv)).train()
+    assert len(first) == 4 and again == first[2:]
