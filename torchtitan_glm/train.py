@@ -37,7 +37,7 @@ from torchtitan_glm.distributed.grad_accumulation import GradientAccumulation
 from torchtitan_glm.distributed.parallel_dims import ParallelDims, validate_model_layout, world_size_from_env
 from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8, precompute_float8_scales
 from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs
-from torchtitan_glm.models.glm5.batch import train_batch
+from torchtitan_glm.models.glm5.batch import TrainBatch, train_batch
 from torchtitan_glm.models.glm5.parallelize import parallelize_glm5
 
 logger = logging.getLogger(__name__)
@@ -167,8 +167,8 @@ def planned_rows(argv: list[str] | None, *, gpus: int, device_bytes: int | None,
     return peak, speed
 
 
-def _add(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
-    return value if total is None else total + value
+def _accumulate(sums: dict[str, Any], key: str, value: torch.Tensor) -> None:
+    sums[key] = sums[key] + value if key in sums else value
 
 
 class Trainer:
@@ -246,7 +246,8 @@ class Trainer:
         # parameters) read the flag each step
         self.device_skip = supports_device_skip(self.optimizer, device=self.device)
         self.run_info = run_info(cfg=cfg, args=self.args, tokenizer_vocab_size=self.tokenizer.vocab_size,
-                                 layout=dims.describe(), global_batch_rows=self.dataloader.global_batch_rows * self.accumulation.steps)
+                                 layout=dims.describe(),
+                                 global_batch_rows=self.dataloader.global_batch_rows * self.accumulation.steps)
         self.checkpointer = CheckpointManager(
             cfg=cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, extra_state={"skipped_steps": self.skipped},
@@ -308,42 +309,50 @@ class Trainer:
         use_mtp = self.model.mtp is not None
         mtp_scale = cfg.mtp_weight * losses.token_scale(mtp_count, dp_size=self.dp_size) if use_mtp else 0.0
         use_kl = cfg.indexer_kl_coeff > 0 and self.args.num_dsa_layers > 0
-        ce_sum, mtp_sum, kl, loads = None, None, None, None
+        sums: dict[str, Any] = {}  # ce, mtp, kl: summed over the microbatches; loads: per router
         for i, batch_ in enumerate(micro):
             with self.accumulation.microbatch(self.model, self.replicated, last=i == n - 1):
-                out = self.model(batch_, token_scale=scale, mtp_scale=mtp_scale,
-                                 indexer_kl=("sparse" if cfg.indexer_sparse_loss else "dense") if use_kl else None,
-                                 seq_aux=cfg.seq_aux_loss_coeff > 0, ce_chunk_size=cfg.ce_chunk_size)
-                # Sparse stage: everything trains on CE + MTP (+ KL for the indexer). Dense warm-up: only the
-                # indexer's parameters require grad, and the KL is its objective; the CE is still computed, for the log.
-                total = out.loss if cfg.indexer_stage == "sparse" else out.loss.new_zeros(())
-                if use_kl:
-                    kl_i = losses.indexer_kl_loss(out.indexer_stats, dp_size=self.dp_size, group=self.dp_group) / n
-                    total = total + cfg.indexer_kl_coeff * kl_i
-                    kl = kl_i.detach() if kl is None else kl + kl_i.detach()
-                if cfg.seq_aux_loss_coeff > 0 and out.moe_stats:
-                    total = total + cfg.seq_aux_loss_coeff / n * losses.sequence_aux_loss(out.moe_stats)
-                total.backward()
-            ce_sum = _add(ce_sum, out.ce.sum())
-            if use_mtp and out.mtp_ce is not None:
-                mtp_sum = _add(mtp_sum, out.mtp_ce.sum())
-            counts = [st.counts for st in out.moe_stats]
-            loads = counts if loads is None else [a + b for a, b in zip(loads, counts)]
-            del out, total
+                self._forward_backward(batch_, scale=scale, mtp_scale=mtp_scale, use_kl=use_kl, weight=1 / n,
+                                       sums=sums)
         self.replicated.allreduce_grads()
         grad_norm = clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
                                     self.cfg.training.max_norm)
         # The step's statistics stay on the device until the host needs them (components/step_stats.py); their
         # one all-reduce also carries this rank's stop request, so every rank shares the stop decision.
         pending = self.stats.record(
-            step=self.step, lr=float(self.lr_scheduler.get_last_lr()[0]), documents=documents, ce_sum=ce_sum,
-            mtp_sum=mtp_sum, kl=kl, grad_norm=grad_norm, count=count, mtp_count=mtp_count,
+            step=self.step, lr=float(self.lr_scheduler.get_last_lr()[0]), documents=documents, ce_sum=sums["ce"],
+            mtp_sum=sums.get("mtp"), kl=sums.get("kl"), grad_norm=grad_norm, count=count, mtp_count=mtp_count,
             stop=self.stop.signum is not None)
-        self._optimizer_step(pending, loads or [])
+        self._optimizer_step(pending, sums.get("loads", []))
         self.stats.finish(pending)
         return pending
 
-    def _device_batch(self, batch: dict[str, torch.Tensor]):
+    def _forward_backward(self, batch: TrainBatch, *, scale: torch.Tensor, mtp_scale: torch.Tensor | float,
+                          use_kl: bool, weight: float, sums: dict[str, Any]) -> None:
+        """One microbatch's forward and backward; its CE / MTP-CE sums, indexer KL and expert loads are added into
+        `sums`. The KL and the sequence balance loss enter with `weight` (1 / microbatches): their mean over them."""
+        cfg = self.cfg.loss
+        out = self.model(batch, token_scale=scale, mtp_scale=mtp_scale,
+                         indexer_kl=("sparse" if cfg.indexer_sparse_loss else "dense") if use_kl else None,
+                         seq_aux=cfg.seq_aux_loss_coeff > 0, ce_chunk_size=cfg.ce_chunk_size)
+        # Sparse stage: everything trains on CE + MTP (+ KL for the indexer). Dense warm-up: only the indexer's
+        # parameters require grad, and the KL is its objective; the CE is still computed, for the log.
+        total = out.loss if cfg.indexer_stage == "sparse" else out.loss.new_zeros(())
+        if use_kl:
+            kl = weight * losses.indexer_kl_loss(out.indexer_stats, dp_size=self.dp_size, group=self.dp_group)
+            total = total + cfg.indexer_kl_coeff * kl
+            _accumulate(sums, "kl", kl.detach())
+        if cfg.seq_aux_loss_coeff > 0 and out.moe_stats:
+            total = total + cfg.seq_aux_loss_coeff * weight * losses.sequence_aux_loss(out.moe_stats)
+        total.backward()
+        _accumulate(sums, "ce", out.ce.sum())
+        if out.mtp_ce is not None and self.model.mtp is not None:
+            _accumulate(sums, "mtp", out.mtp_ce.sum())
+        if out.moe_stats:
+            loads = [st.counts for st in out.moe_stats]
+            sums["loads"] = [a + b for a, b in zip(sums["loads"], loads)] if "loads" in sums else loads
+
+    def _device_batch(self, batch: dict[str, torch.Tensor]) -> TrainBatch:
         """A loader batch on the device, as this rank's TrainBatch. Host-to-device without blocking; the document ids
         also stay on the host, from where the KDA kernels' varlen layout is built without a device-to-host copy."""
         tokens, labels, doc_ids = (batch[k].to(self.device, non_blocking=True)
