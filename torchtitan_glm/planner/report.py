@@ -31,10 +31,9 @@ def plan_text(p: Plan) -> str:
         f"plan: {config} on {r.gpus} x {r.gpu.name} (scope {r.scope})",
         f"layout: {p.layout.describe()}; the trainer {verdict}; parallelisation: {p.design}",
         f"step: seq_len {cfg.training.seq_len} x local batch {cfg.training.local_batch_size} x dp {p.layout.dp}"
-        + (f" x {micro} microbatches" if (micro := t.tokens_per_step // (cfg.training.seq_len
-                                         * cfg.training.local_batch_size * p.layout.dp)) > 1 else "")
-        + f" = {t.tokens_per_step:,} tokens (each row over cp={p.layout.cp} ranks); AC {cfg.activation_checkpoint.mode} "
-        f"({p.regime}); {p.float8_line}",
+        + (f" x {t.micro} microbatches" if t.micro > 1 else "")
+        + f" = {t.tokens_per_step:,} tokens (each row over cp={p.layout.cp} ranks); AC "
+        f"{cfg.activation_checkpoint.mode} ({p.regime}); {p.float8_line}",
         f"memory per GPU: peak {_gib(m.peak)} GiB allocated ({m.peak_at}), reserve estimate {_gib(m.reserved)} GiB "
         f"({m.reserved_at}); budget {_gib(budget)} of {_gib(r.gpu.memory_bytes)} GiB -> {fit}",
         f"  at the peak (GiB): {_row(m.breakdown, _gib)}",
@@ -59,7 +58,8 @@ def plan_text(p: Plan) -> str:
         f"  exposed communication (s): {_row(t.exposed_comm_s, lambda v: f'{v:.3f}') or 'none'}",
     ]
     if t.collectives:
-        lines.append("  collectives per step, per rank (all units): name | group | calls | GB sent | link | seconds "
+        per = "per microbatch" if t.micro > 1 else "per step"
+        lines.append(f"  collectives {per}, per rank (all units): name | group | calls | GB sent | link | seconds "
                      "| hidden behind compute")
         merged: dict[tuple, list[float]] = {}
         for c in t.collectives:

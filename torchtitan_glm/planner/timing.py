@@ -76,6 +76,7 @@ class TimePlan:
     tokens_per_s_per_gpu: float
     flops_per_token: float
     mfu: float | None
+    micro: int = 1  # microbatches per step (training.global_batch_size); `collectives` are one microbatch's
 
 
 def _layers(inv: ModelInventory, with_mtp: bool) -> list:
@@ -171,4 +172,4 @@ def plan_time(inv: ModelInventory, layout: Layout, gpu: GpuSpec, ctx: ActContext
     fpt = flops_per_token(inv.args if with_mtp else inv.args.replace(num_nextn_predict_layers=0), seq_len)
     mfu = per_gpu * fpt / gpu.peak_bf16
     colls = [c for cs in fsdp.values() for c in cs] + others
-    return TimePlan(step, compute, exposed, colls, tokens, tps, per_gpu, fpt, mfu)
+    return TimePlan(step, compute, exposed, colls, tokens, tps, per_gpu, fpt, mfu, micro)
