@@ -36,11 +36,16 @@ def _describe(syncs) -> str:
     return "\n".join(f"step {s.step}: {s.what} at {s.where}" for s in syncs)
 
 
-def test_fused_adamw_training_reads_nothing_from_the_device(tmp_path, world_of_one):
+@pytest.mark.parametrize("accumulate", [(), ("--training.global_batch_size", "2",
+                                              "--parallelism.fsdp_reshard_after_forward", "never")],
+                         ids=["one_batch", "two_microbatches"])
+def test_fused_adamw_training_reads_nothing_from_the_device(tmp_path, world_of_one, accumulate):
     """The whole loop (log steps included: their host reads are of the copies queued in the step) with fused
-    AdamW: the non-finite skip is decided on the device, so no step reads a device value."""
+    AdamW: the non-finite skip is decided on the device, so no step reads a device value; also when a step
+    accumulates two microbatches."""
     trainer = _trainer(tmp_path, "--training.steps", "5", "--metrics.log_freq", "2",
-                       "--optimizer.implementation", "fused")
+                       "--optimizer.implementation", "fused", *accumulate)
+    assert trainer.accumulation.steps == (2 if accumulate else 1)
     assert trainer.device_skip
     with SyncRecorder(step=lambda: trainer.step) as rec:
         losses = trainer.train()
