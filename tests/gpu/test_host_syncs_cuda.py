@@ -14,19 +14,25 @@ from tests.unit.test_host_syncs import _trainer
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def test_a_training_step_does_not_sync(tmp_path, world_of_one):
+@pytest.mark.parametrize("accumulate", [(), ("--training.global_batch_size", "2",
+                                              "--parallelism.fsdp_reshard_after_forward", "never")],
+                         ids=["one_batch", "two_microbatches"])
+def test_a_training_step_does_not_sync(tmp_path, world_of_one, accumulate):
+    """Also a step of two accumulated microbatches (FSDP2's deferred reduce and held gathers; new, not yet run on a
+    GPU)."""
     trainer = _trainer(tmp_path, "--training.steps", "3", "--metrics.log_freq", "100",
-                       "--optimizer.implementation", "fused", "--training.mixed_precision_param", "bfloat16")
+                       "--optimizer.implementation", "fused", "--training.mixed_precision_param", "bfloat16",
+                       *accumulate)
     assert trainer.device.type == "cuda" and trainer.device_skip
     trainer.model.train()
     trainer.step = 1
-    trainer.train_step(next(trainer.dataloader))  # first step: lazy state, kernel autotuning
-    batch = next(trainer.dataloader)  # on the host, as the loader yields it: the trainer copies without blocking
+    trainer.train_step(*trainer.next_batches())  # first step: lazy state, kernel autotuning
+    batches, documents = trainer.next_batches()  # on the host, as the loader yields them: copied without blocking
     torch.cuda.synchronize()
     trainer.step = 2
     torch.cuda.set_sync_debug_mode("error")
     try:
-        trainer.train_step(batch)
+        trainer.train_step(batches, documents)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     metrics = trainer.stats.resolve(2)
