@@ -86,3 +86,32 @@ def test_graph_count_independent_of_depth():
     assert counter.frame_count == kinds, f"{counter.frame_count} graphs for {kinds} block kinds"
     assert counter.frame_count < torch._dynamo.config.recompile_limit
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_accumulating_trainer_steps_compile_once(tmp_path, world_of_one):
+    """The trainer under FSDP2 with two microbatches per step (training.global_batch_size; FSDP2's deferred reduce
+    and held gathers switch between microbatches, outside the compiled blocks): steps 2-3 reuse step 1's graphs,
+    with no graph break."""
+    from torchtitan_glm.config import load_config
+    from torchtitan_glm.train import Trainer
+
+    counters.clear()
+    cfg = load_config(["--config", "train_configs/debug_model.toml", "--training.seq_len", "64",
+                       "--training.local_batch_size", "1", "--training.global_batch_size", "2",
+                       "--parallelism.fsdp_reshard_after_forward", "never", "--training.steps", "3",
+                       "--compile.enable", "true", "--compile.backend", "aot_eager", "--checkpoint.enable", "false",
+                       "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "1",
+                       f"--job.dump_folder={tmp_path}"])
+    trainer = Trainer(cfg)
+    assert trainer.accumulation.steps == 2 and trainer.accumulation.hold_gathered
+    trainer.step = 1
+    trainer.train_step(*trainer.next_batches())
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled > 0
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for step in (2, 3):
+            trainer.step = step
+            trainer.train_step(*trainer.next_batches())
+    assert counters["stats"]["unique_graphs"] == compiled
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in trainer.stats.resolve(3))
