@@ -5,9 +5,10 @@ microbatches.
   accumulate locally and are all-reduced once, after the last microbatch.
 - FSDP2 reduce-scatters after every microbatch where its parameters are split over ranks (TorchTitan's choice: an
   unsharded gradient held between microbatches would cost the whole model's gradient per rank). Where no parameter
-  is split (one rank, or only replicated dims) that reduce is a copy and a cast per microbatch, with nothing to save
-  by running it early: the gradients then accumulate unsharded in the reduce dtype (FSDP2's own no-sync path) and
-  are reduced once. Not with optimizer.cpu_offload: its gradients belong in host memory.
+  is split (one rank: there the reduce is a copy and a cast; or replicas only: an all-reduce) an unsharded gradient
+  is the whole gradient anyway, so nothing is saved by reducing early: the gradients accumulate unsharded in the
+  reduce dtype (FSDP2's own no-sync path) and are reduced once. Not with optimizer.cpu_offload: its gradients belong
+  in host memory.
 - Under parallelism.fsdp_reshard_after_forward = "never" the gathered parameters stay until the step's last
   backward: one gather per optimizer step instead of one per microbatch (the memory is the same as within one
   microbatch, where every unit is held gathered from its forward to its backward).
