@@ -1,8 +1,8 @@
 """torchrun worker of test_grad_accumulation.py (2 gloo ranks, FSDP2 over both, fp32): two microbatches of one row
 per rank accumulate the first step's gradients of one batch of two rows per rank, FSDP2 reduce-scattering after
-each microbatch and the replicated parameters' all-reduce deferred to the last, also under expert and context parallelism;
-after two steps the losses, parameters and router biases agree too. Prints "rank <r> OK". `run` and `compare` also serve the one-rank test
-(tests/unit/test_grad_accumulation.py).  usage: _accumulation_worker.py"""
+each microbatch and the replicated parameters' all-reduce deferred to the last, also under expert and context
+parallelism; after two steps the losses, parameters and router biases agree too. Prints "rank <r> OK". `run` and
+`compare` also serve the one-rank test (tests/unit/test_grad_accumulation.py).  usage: _accumulation_worker.py"""
 
 import os
 import tempfile
