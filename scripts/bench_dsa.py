@@ -10,6 +10,13 @@ times the whole SparseMLA block of the proxy (projections, tiled indexer top-k, 
 BF16 against the same block in the dense warm-up form (masked SDPA, dense KL). Prints one JSON line per variant
 and a markdown table; CUDA events, median of --steps after --warmup (the first sparse call autotunes its Triton
 kernels: tens of seconds).
+
+The attention rows also give the FLOP rate each variant reaches, by the FLOPs it must do: per (query, key) pair and
+head, the sparse op's seven products over the 512-wide latent (forward: scores and values; backward: the scores
+again, dP, dQ and dKV's two) are 14 x 512; the dense variants' forward and backward are 8 x qk + 6 x v, over T^2
+pairs under the mask (the kernel computes every pair) and T (T + 1) / 2 causal ones. The footer says at what rate
+the sparse op would reach 3x causal SDPA's time (issue 11's target): the rate the kernel must reach, not a
+measurement.
 """
 
 from __future__ import annotations
@@ -23,6 +30,15 @@ import torch.nn.functional as F
 from cuda_timing import median_ms
 
 H, QK, V, R = 64, 256, 256, 512
+
+
+def attention_flops(seqlen: int, k: int) -> dict[str, float]:
+    """FLOPs of one forward + backward of each attention variant (see the module docstring)."""
+    sparse_pairs = sum(min(t + 1, k) for t in range(seqlen))
+    dense_per_pair = (8 * QK + 6 * V) * H
+    return {"sparse op (absorbed, K gathered)": 14 * R * H * sparse_pairs,
+            "dense SDPA, [T, T] mask": dense_per_pair * seqlen * seqlen,
+            "dense SDPA, causal": dense_per_pair * seqlen * (seqlen + 1) / 2}
 
 
 def causal_selection(seqlen: int, k: int, device: str) -> torch.Tensor:
@@ -111,6 +127,7 @@ def main() -> None:
         sys.exit(2)
     rows = []
     for seqlen in (int(s) for s in a.seq_len.split(",")):
+        flops = attention_flops(seqlen, a.k)
         variants = attention_variants(seqlen, a.k)
         if a.layer:
             variants.update(layer_variants(seqlen))
@@ -123,16 +140,24 @@ def main() -> None:
             row = dict(seq_len=seqlen, variant=name, family="block" if name.startswith("SparseMLA") else "attention",
                        fwd_bwd_ms=round(ms, 2),
                        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+            if name in flops:
+                row["tflops"] = round(flops[name] / (ms * 1e-3) / 1e12, 1)
             print(json.dumps(row), flush=True)
             rows.append(row)
         del variants
         torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, K = {a.k}\n")
-    print("| T | variant | fwd+bwd ms | peak GiB | time / sparse time |\n|---|---|---|---|---|")
+    print("| T | variant | fwd+bwd ms | TFLOP/s | peak GiB | time / sparse time |\n|---|---|---|---|---|---|")
     for r in rows:  # against the first (sparse) variant of the same family and T
         base = next(x for x in rows if x["seq_len"] == r["seq_len"] and x["family"] == r["family"])
-        print(f"| {r['seq_len']:,} | {r['variant']} | {r['fwd_bwd_ms']} | {r['peak_gib']} | "
+        print(f"| {r['seq_len']:,} | {r['variant']} | {r['fwd_bwd_ms']} | {r.get('tflops', '')} | {r['peak_gib']} | "
               f"{r['fwd_bwd_ms'] / base['fwd_bwd_ms']:.2f}x |")
+    for seqlen in sorted({r["seq_len"] for r in rows}):
+        causal = next(r for r in rows if r["seq_len"] == seqlen and r["variant"] == "dense SDPA, causal")
+        need = attention_flops(seqlen, a.k)["sparse op (absorbed, K gathered)"] / (causal["fwd_bwd_ms"] / 3 * 1e-3)
+        print(f"\nT = {seqlen:,}: the sparse op reaches 3x causal SDPA's time ({causal['fwd_bwd_ms'] / 3:.1f} ms) at "
+              f"{need / 1e12:.0f} TFLOP/s, {need / 1e12 / causal.get('tflops', float('nan')):.0%} of causal SDPA's "
+              "rate")
 
 
 if __name__ == "__main__":

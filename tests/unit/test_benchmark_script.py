@@ -77,6 +77,8 @@ def test_gpu_benchmarks_say_they_need_cuda():
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
     proc = _run("scripts/bench_sparse_mla_configs.py")
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+    proc = _run("scripts/bench_kda.py")
+    assert proc.returncode == 2 and "needs CUDA" in proc.stderr
 
 
 def test_bench_dsa_variants_run_on_cpu(monkeypatch):
@@ -97,6 +99,11 @@ def test_bench_dsa_variants_run_on_cpu(monkeypatch):
     assert len(variants) == 7
     for fn in variants.values():
         fn()
+    # FLOPs per fwd + bwd: 4 queries with K = 2 attend 1 + 2 + 2 + 2 latent tokens; dense: 16 and 10 pairs
+    flops = bench.attention_flops(4, 2)
+    assert flops["sparse op (absorbed, K gathered)"] == 14 * 512 * 64 * 7
+    assert flops["dense SDPA, [T, T] mask"] == (8 * 256 + 6 * 256) * 64 * 16
+    assert flops["dense SDPA, causal"] == (8 * 256 + 6 * 256) * 64 * 10
 
 
 def test_benchmark_against_transformers_same_tokens_same_weights_and_ratios(tmp_path):
@@ -123,3 +130,20 @@ def test_benchmark_against_transformers_same_tokens_same_weights_and_ratios(tmp_
 def test_benchmark_against_transformers_refuses_train_scope():
     proc = _run("scripts/benchmark.py", "--flavor", "debug", "--against", "transformers", "--scope", "train")
     assert proc.returncode == 2 and "--against transformers compares the reference scope" in proc.stderr
+
+
+def test_bench_kda_variants_run_on_cpu(monkeypatch):
+    """bench_kda.py's closures other than FLA's (CUDA only), once each on CPU on the debug flavor: the blocks and
+    their parts (the GEMMs, our KDA op). The parts' GEMMs are the block's own projections."""
+    import importlib.util
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    spec = importlib.util.spec_from_file_location("bench_kda", REPO / "scripts" / "bench_kda.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    fns, args = bench.variants("debug", 24, "cpu", torch.float32, with_fla=False, compile_ours=False)
+    assert list(fns) == ["ours, eager", "parts: the block's GEMMs", "parts: our KDA op (gate computed outside)"]
+    for fn in fns.values():
+        fn()
