@@ -8,8 +8,9 @@
 #   sweep with the sparse indexer KL (SWEEP_SEQ, SWEEP_RUNS, SWEEP_KL, SWEEP_MOE_CHUNK, SWEEP_OFFLOAD=1 for the full-AC
 #   blocks' inputs in host memory; alone: sweep; one compile per T, so split long compiled sweeps across calls;
 #   HOST_SAMPLER=<seconds> logs host memory meanwhile).
-#   speed (issue 12): scripts/bench_kda.py (KDA_SEQ; alone: kda), scripts/benchmark.py --against transformers (AGAINST_SEQ, AGAINST_RUNS; needs transformers
-#   >= 5.23 importable). proxytrain: train.py on train_configs/glm5_3_flash_proxy.toml (PROXY_STEPS, PROXY_ARGS).
+#   speed (issue 12): scripts/bench_kda.py (KDA_SEQ, KDA_PROFILE=1 for its kernel tables; alone: kda),
+#   scripts/bench_mhc.py (MHC_SEQ; alone: mhc), scripts/benchmark.py --against transformers (AGAINST_SEQ,
+#   AGAINST_RUNS; needs transformers >= 5.23 importable). proxytrain: train.py on train_configs/glm5_3_flash_proxy.toml (PROXY_STEPS, PROXY_ARGS).
 #   serving: the CUDA decode tests (FLA recurrent KDA, prefill states, sparse MLA over the latent cache, debug model
 #   decode == forward), scripts/rollout_agreement.py on the proxy (ROLLOUT_PRECISIONS; on the proxy trained
 #   ROLLOUT_TRAIN_STEPS=30 steps first, 0 = random weights, or ROLLOUT_SOURCE="--hf DIR"/"--checkpoint DIR") and
@@ -101,7 +102,11 @@ esac
 pack_cache
 case " $STAGES " in *" speed "*|*" kda "*)
   timeout "${KDA_BENCH_TIMEOUT:-200}" python3 scripts/bench_kda.py --seq-len "${KDA_SEQ:-8192}" \
-      --json "$OUT/bench_kda.json" 2>&1 | tee "$OUT/bench_kda.log" ;;
+      ${KDA_PROFILE:+--profile} --json "$OUT/bench_kda.json" 2>&1 | tee "$OUT/bench_kda.log" ;;
+esac
+case " $STAGES " in *" speed "*|*" mhc "*)
+  timeout "${MHC_BENCH_TIMEOUT:-200}" python3 scripts/bench_mhc.py --seq-len "${MHC_SEQ:-4096}" 2>&1 \
+      | tee "$OUT/bench_mhc.log" ;;
 esac
 pack_cache
 case " $STAGES " in *" speed "*)

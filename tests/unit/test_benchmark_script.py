@@ -79,6 +79,8 @@ def test_gpu_benchmarks_say_they_need_cuda():
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
     proc = _run("scripts/bench_kda.py")
     assert proc.returncode == 2 and "needs CUDA" in proc.stderr
+    proc = _run("scripts/bench_mhc.py")
+    assert proc.returncode == 2 and "needs CUDA" in proc.stderr
 
 
 def test_bench_dsa_variants_run_on_cpu(monkeypatch):
@@ -145,5 +147,22 @@ def test_bench_kda_variants_run_on_cpu(monkeypatch):
     spec.loader.exec_module(bench)
     fns, args = bench.variants("debug", 24, "cpu", torch.float32, with_fla=False, compile_ours=False)
     assert list(fns) == ["ours, eager", "parts: the block's GEMMs", "parts: our KDA op (gate computed outside)"]
+    for fn in fns.values():
+        fn()
+
+
+def test_bench_mhc_variants_run_on_cpu(monkeypatch):
+    """bench_mhc.py's closures (both merge forms, alone and in the whole site), once each on CPU, compiled with
+    aot_eager on the debug flavor's widths."""
+    import importlib.util
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    spec = importlib.util.spec_from_file_location("bench_mhc", REPO / "scripts" / "bench_mhc.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    fns = bench.variants(16, "cpu", torch.float32, flavor="debug", backend="aot_eager")
+    assert len(fns) == 4
     for fn in fns.values():
         fn()

@@ -89,8 +89,10 @@ class _Terms:
 
 
 # ------------------------------------------------------------------------------------------ sub-blocks
-def _mhc_site(t: _Terms, regime: str) -> None:
-    """One HyperConnection site (two per decoder layer): its input streams, the FP32 mapping, Sinkhorn, the merge."""
+def _mhc_site(t: _Terms, regime: str, *, first: bool) -> None:
+    """One HyperConnection site (two per decoder layer): its input streams, the FP32 mapping, Sinkhorn, the merge.
+    Compiled, the second site's input streams are not kept: the first site's merge is pointwise there (mhc.py
+    mix_streams), so backward recomputes them from the block's input, the mixer's output and the small maps."""
     c, a = t.ctx, t.ctx.act
     d, n, it = c.args.hidden_size, c.args.hc_mult, c.args.hc_sinkhorn_iters
     width = (2 + n) * n
@@ -100,7 +102,8 @@ def _mhc_site(t: _Terms, regime: str) -> None:
     if regime == "selective":
         t.tok("mhc", 4 * width)  # the fn matmul's FP32 output
         return
-    t.tok("streams", n * d * a)  # the site's input streams
+    if first or regime != "compiled":
+        t.tok("streams", n * d * a)  # the site's input streams
     if not c.fp32_params:
         t.fixed("mhc", width * n * d * 4)  # fn.float(): an FP32 copy of the BF16-cast weight
     if regime == "compiled":
@@ -334,11 +337,12 @@ def saved(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bool = Fal
         return t.out
     if regime == "selective":
         t.tok("inputs", n * d * a + ints)
-        t.tok("streams", n * d * a)  # the attention site's merge matmul (bmm) output
+        if not ctx.compiled:  # eager: the attention site's merge matmul (bmm) output; compiled it is pointwise
+            t.tok("streams", n * d * a)
     elif regime == "compiled":
         t.tok("norms", d * a)  # the attention site's collapsed input
-    for _ in range(2):
-        _mhc_site(t, regime)
+    for site in range(2):
+        _mhc_site(t, regime, first=site == 0)
     _norm(t, regime, d)
     _norm(t, regime, d)
     if kind.startswith("kda"):

@@ -62,6 +62,19 @@ def sinkhorn(logits: torch.Tensor, *, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
+def mix_streams(comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """comb^T applied to the streams: out_i = sum_j comb[j, i] x_j, comb [..., n, n], streams [..., n, D].
+
+    Eager: one batched matmul (what the reference computes). Compiled: the same sum written out over j, which
+    inductor unrolls (n <= 8 terms) into the pointwise kernel of the merge around it: one pass over the streams, where
+    a [T, n, n] x [T, n, D] bmm is a separate cuBLAS call with an inner dimension of n, far from the memory bandwidth
+    (docs/performance.md, eleventh session). Both accumulate in FP32; they differ in summation order only."""
+    comb_t = comb.transpose(-1, -2)
+    if torch.compiler.is_compiling():
+        return (comb_t.unsqueeze(-1) * streams.unsqueeze(-3)).sum(dim=-2)
+    return torch.matmul(comb_t, streams)
+
+
 class HyperConnection(nn.Module):
     """One mHC site: from the streams [B, T, n, D] compute (post, comb, collapsed block input)."""
 
@@ -99,12 +112,11 @@ class HyperConnection(nn.Module):
         By default (the reference) post and comb are cast to the streams' dtype first and mixed there; with
         `fp32_mixing` (Megatron's mhc_keep_mappings_in_fp32) the mixing runs in FP32 with one final cast."""
         if self.fp32_mixing:
-            out = post.float().unsqueeze(-1) * block_out.float().unsqueeze(-2) + torch.matmul(
-                comb.float().transpose(-1, -2), residual.float())
+            out = post.float().unsqueeze(-1) * block_out.float().unsqueeze(-2) + mix_streams(
+                comb.float(), residual.float())
             return out.to(residual.dtype)
         dtype = residual.dtype
-        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
-            comb.to(dtype).transpose(-1, -2), residual)
+        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mix_streams(comb.to(dtype), residual)
 
     def init_weights(self) -> None:
         nn.init.normal_(self.fn, mean=0.0, std=0.02)
