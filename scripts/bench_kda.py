@@ -28,10 +28,7 @@ import sys
 
 import torch
 
-try:
-    from cuda_timing import median_ms
-except ImportError:  # imported as a module by the CPU test, scripts/ not on the path
-    median_ms = None
+from cuda_timing import backward_step, median_ms
 
 
 def our_block(flavor: str, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
@@ -112,11 +109,7 @@ def kernel_parts(args, seq_len: int, device: str, dtype: torch.dtype, gen: torch
     leaves = (q, kk, v, f, b_raw, a_log, dt_bias, g, beta)
 
     def timed(call):
-        def run():
-            call().backward(do)
-            for t in leaves:
-                t.grad = None
-        return run
+        return backward_step(call, do, leaves)
 
     parts = {"parts: our KDA op (gate computed outside)": timed(
         lambda: kda_op(q, kk, v, g, beta, None, safe_gate=safe))}

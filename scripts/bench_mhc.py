@@ -18,10 +18,7 @@ import sys
 
 import torch
 
-try:
-    from cuda_timing import median_ms
-except ImportError:  # imported as a module by the CPU test, scripts/ not on the path
-    median_ms = None
+from cuda_timing import backward_step, median_ms
 
 
 def merge_bmm(residual, block_out, post, comb):
@@ -52,11 +49,7 @@ def variants(seq_len: int, device: str, dtype: torch.dtype, *, flavor: str = "gl
     leaves = (streams, block_out, post, comb, *hc.parameters())
 
     def timed(call):
-        def run():
-            call().backward(dout)
-            for t in leaves:
-                t.grad = None
-        return run
+        return backward_step(call, dout, leaves)
 
     merge_now = torch.compile(hc.merge, backend=backend, fullgraph=True)
     merge_before = torch.compile(merge_bmm, backend=backend, fullgraph=True)

@@ -1,8 +1,9 @@
-"""Median CUDA-event time of a callable, shared by the GPU micro-benchmarks (bench_dsa.py, bench_ce.py)."""
+"""Median CUDA-event time of a callable, shared by the GPU micro-benchmarks (bench_dsa.py, bench_ce.py, bench_kda.py, bench_mhc.py)."""
 
 from __future__ import annotations
 
 import statistics
+from typing import Callable
 
 import torch
 
@@ -21,3 +22,14 @@ def median_ms(fn, *, steps: int, warmup: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def backward_step(call, dout: torch.Tensor, leaves) -> Callable[[], None]:
+    """A closure for median_ms: call().backward(dout), then the leaves' gradients dropped (each run starts clean)."""
+
+    def run():
+        call().backward(dout)
+        for t in leaves:
+            t.grad = None
+
+    return run
