@@ -23,7 +23,8 @@
 #   take 59 GiB).
 #   accum (issue 12): the training-scope benchmark and train.py on the proxy in one call, train.py at each global batch
 #   in ACCUM_GLOBAL_LIST (default "1 8" rows: one row per step, and 8 microbatches accumulated) under
-#   fsdp_reshard_after_forward ACCUM_RESHARD (default never); ACCUM_BENCH=0 leaves the benchmark out.
+#   fsdp_reshard_after_forward ACCUM_RESHARD (default never) and AC mode ACCUM_AC (default selective; none fits at 8
+#   rows per step by plan); ACCUM_BENCH=0 leaves the benchmark out.
 #   multigpu (issue 15; needs a multi-GPU kind): train.py on the proxy with FSDP2 x EP over N GPUs for each N in
 #   MULTI_N (default 1 2 4 8, up to the GPUs present), FP8 split on, MULTI_STEPS steps, one log per N (tokens/s,
 #   MFU, peak memory per GPU in its metric lines; weak scaling = tokens/s per GPU at N / at 1); then CP = 2 x EP on
@@ -125,16 +126,18 @@ pack_cache
 case " $STAGES " in *" accum "*)
   # issue 12: train.py against the training-scope benchmark, same call: the benchmark (compiled, selective AC), then
   # train.py one row per step and with ACCUM_GLOBAL rows per step (gradient accumulation, fsdp_reshard_after_forward
-  # ACCUM_RESHARD); the log lines' tokens/s after compile are the figures
+  # ACCUM_RESHARD), both under AC mode ACCUM_AC (default selective); the log lines' tokens/s after compile are the
+  # figures
+  ac=${ACCUM_AC:-selective}
   [ "${ACCUM_BENCH:-1}" = 1 ] && timeout "${BENCH_TIMEOUT:-240}" python3 scripts/benchmark.py \
-      --flavor glm5_3_flash_proxy --seq-len 4096 --steps 5 --warmup 2 --runs compiled:selective --scope train \
-      --out "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.log"
+      --flavor glm5_3_flash_proxy --seq-len 4096 --steps 5 --warmup 2 --runs "compiled:$ac" --scope train \
+      --out "$OUT/bench_train_$ac.json" 2>&1 | tee "$OUT/bench_train_$ac.log"
   for g in ${ACCUM_GLOBAL_LIST:-1 8}; do
     steps=$(( g == 1 ? 20 : 10 ))
     timeout "${ACCUM_TIMEOUT:-240}" torchrun --nproc-per-node 1 train.py --config train_configs/glm5_3_flash_proxy.toml \
         --training.global_batch_size "$g" --parallelism.fsdp_reshard_after_forward "${ACCUM_RESHARD:-never}" \
-        --training.steps "$steps" --metrics.log_freq 5 --checkpoint.enable false --metrics.enable_tensorboard false \
-        --job.dump_folder "$OUT/accum_$g" 2>&1 | tee "$OUT/accum_$g.log"
+        --activation_checkpoint.mode "$ac" --training.steps "$steps" --metrics.log_freq 5 --checkpoint.enable false \
+        --metrics.enable_tensorboard false --job.dump_folder "$OUT/accum_${ac}_$g" 2>&1 | tee "$OUT/accum_${ac}_$g.log"
   done ;;
 esac
 pack_cache
