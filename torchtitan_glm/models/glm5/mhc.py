@@ -68,7 +68,8 @@ def mix_streams(comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     Eager: one batched matmul (what the reference computes). Compiled: the same sum written out over j, which
     inductor unrolls (n <= 8 terms) into the pointwise kernel of the merge around it: one pass over the streams, where
     a [T, n, n] x [T, n, D] bmm is a separate cuBLAS call with an inner dimension of n, far from the memory bandwidth
-    (docs/performance.md, eleventh session). Both accumulate in FP32; they differ in summation order only."""
+    (docs/performance.md, eleventh session). The bmm and inductor's kernel both accumulate in FP32: they differ in
+    summation order only."""
     comb_t = comb.transpose(-1, -2)
     if torch.compiler.is_compiling():
         return (comb_t.unsqueeze(-1) * streams.unsqueeze(-3)).sum(dim=-2)
