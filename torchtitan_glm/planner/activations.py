@@ -292,7 +292,7 @@ def _moe(t: _Terms, regime: str) -> None:
         # recomputed in backward)
         t.tok("experts", (2 * k * d * a + 3 * k * ie * a) * c.expert_share)
         _dense_mlp(t, regime, shared, "shared_expert")
-        t.tok("block_out", 2 * d * a)  # the combine buffer and the MoE output
+        t.tok("block_out", d * a)  # the MoE output (the combine sums the saved rows: no buffer of its own)
         return
     t.tok("router", 4 * d + 4 * e + 8 * k + 4 * k + 4)  # FP32 input, sigmoid, top-k ids, weights, norm
     # (the grouped SwiGLU keeps gate and up: layers.swiglu)

@@ -150,15 +150,20 @@ class MoE(nn.Module):
 
     def _routed(self, flat: torch.Tensor, idx: torch.Tensor,
                 weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens [N, D] through their top-k experts (ids, weights [N, k]) -> (weighted sum [N, D], rows per expert)."""
+        """Tokens [N, D] through their top-k experts (ids, weights [N, k]) -> (weighted sum [N, D], rows per expert).
+
+        The combine puts the expert rows back in (token, slot) order and sums each token's k weighted rows: `order`
+        is a permutation, so that is a scatter without collisions (its backward a gather), and the sum accumulates
+        in FP32 with one rounding, in a fixed order. An index_add over the expert-sorted rows would add each
+        token's k rows with atomics on the GPU, rounding to BF16 at each add in an order that changes run to run."""
+        n, k = idx.shape
         experts = idx.flatten()
         order = torch.argsort(experts, stable=True)
-        token = order // self.top_k
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(
             0, experts, torch.ones_like(experts))  # static shape (bincount is data-dependent under compile)
-        routed = self.experts(flat[token], counts)
-        routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
-        return torch.zeros_like(flat).index_add(0, token, routed.to(flat.dtype)), counts
+        routed = self.experts(flat[order // k], counts)
+        by_token = torch.empty_like(routed).index_copy(0, order, routed).view(n, k, -1)
+        return (by_token * weights.unsqueeze(-1).to(routed.dtype)).sum(1).to(flat.dtype), counts
 
     def init_weights(self) -> None:
         self.gate.init_weights()

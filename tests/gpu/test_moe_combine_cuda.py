@@ -1,0 +1,29 @@
+"""The MoE combine on CUDA in BF16 (models/glm5/moe.py::MoE._routed): the same bits run to run, eager and compiled
+(no atomics), and in eager each output within half a BF16 ulp of the exact sum of its k rounded products (one
+rounding; inductor keeps the products in FP32, so the bound is checked in eager only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.test_moe_combine import _fake_experts, _moe
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_combine_is_deterministic_and_rounds_once(compiled):
+    moe = _moe(torch.bfloat16).cuda()
+    moe.experts.forward = _fake_experts
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    flat = (torch.randn(4096, moe.gate.weight.shape[1], generator=gen, device="cuda") * 3).bfloat16()
+    _, idx, weights = moe.gate(flat)
+    routed = torch.compile(moe._routed, fullgraph=True) if compiled else moe._routed
+    first, second = routed(flat, idx, weights)[0], routed(flat, idx, weights)[0]
+    assert torch.equal(first, second)
+    if not compiled:
+        y = flat.unsqueeze(1) * (1 + idx / 7).to(torch.bfloat16).unsqueeze(-1)
+        exact = (y * weights.unsqueeze(-1).to(torch.bfloat16)).double().sum(1)
+        ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+        assert ((first.double() - exact).abs() <= 0.5 * ulp + 1e-30).all()
