@@ -1,6 +1,6 @@
-"""The MoE combine on CUDA in BF16 (models/glm5/moe.py::MoE._routed): the same bits run to run, eager and compiled
-(no atomics), and in eager each output within half a BF16 ulp of the exact sum of its k rounded products (one
-rounding; inductor keeps the products in FP32, so the bound is checked in eager only)."""
+"""The MoE combine on CUDA in BF16 (models/glm5/moe.py::MoE._routed): the same output and input-gradient bits run to
+run, eager and compiled (no atomics), and in eager each output within half a BF16 ulp of the exact sum of its k
+rounded products (one rounding; inductor keeps the products in FP32, so the bound is checked in eager only)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,15 @@ def test_cuda_combine_is_deterministic_and_rounds_once(compiled):
     flat = (torch.randn(4096, moe.gate.weight.shape[1], generator=gen, device="cuda") * 3).bfloat16()
     _, idx, weights = moe.gate(flat)
     routed = torch.compile(moe._routed, fullgraph=True) if compiled else moe._routed
-    first, second = routed(flat, idx, weights)[0], routed(flat, idx, weights)[0]
-    assert torch.equal(first, second)
+    grad_out = torch.randn(flat.shape, generator=gen, device="cuda").bfloat16()
+    runs = []
+    for _ in range(2):
+        x = flat.detach().requires_grad_()
+        out = routed(x, idx, weights)[0]
+        out.backward(grad_out)
+        runs.append((out.detach(), x.grad))
+    (first, grad1), (second, grad2) = runs
+    assert torch.equal(first, second) and torch.equal(grad1, grad2)
     if not compiled:
         y = flat.unsqueeze(1) * (1 + idx / 7).to(torch.bfloat16).unsqueeze(-1)
         exact = (y * weights.unsqueeze(-1).to(torch.bfloat16)).double().sum(1)

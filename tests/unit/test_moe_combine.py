@@ -2,7 +2,7 @@
 rounding, in (token, slot) order, without atomics: the BF16 result is within half a BF16 ulp (plus the products'
 own rounding) of the exact sum, where adding the rows one by one in BF16, as a CUDA index_add's atomics do, is not
 (the CPU's index_add happens to round once too, so the old form cannot be told apart here: the sequential sum
-stands in for it); and the compiled forward has no accumulating scatter. On CUDA: tests/gpu/test_moe_combine_cuda.py."""
+stands in for it); the same for the input's gradient; and the compiled graphs have no accumulating scatter. On CUDA: tests/gpu/test_moe_combine_cuda.py."""
 
 from __future__ import annotations
 
@@ -46,6 +46,24 @@ def test_bf16_combine_rounds_once():
     assert ((sequential.double() - exact).abs() > 0.5 * ulp).any()  # the check can fail
 
 
+def test_bf16_dispatch_backward_rounds_once():
+    """d(flat): each token's k row gradients summed in FP32 with one rounding (models/glm5/moe.py::_Dispatch)."""
+    moe = _moe(torch.bfloat16)
+    moe.experts.forward = _fake_experts
+    gen = torch.Generator().manual_seed(2)
+    flat = (torch.randn(96, moe.gate.weight.shape[1], generator=gen) * 3).bfloat16()
+    _, idx, weights = moe.gate(flat)
+    flat.requires_grad_()
+    grad_out = torch.randn(flat.shape, generator=gen).bfloat16()
+    moe._routed(flat, idx, weights)[0].backward(grad_out)
+    # per slot, in BF16 as autograd forms it: grad_out x weight, then x the fake expert's factor
+    per_slot = grad_out.unsqueeze(1) * weights.unsqueeze(-1).to(torch.bfloat16)
+    per_slot = per_slot * (1 + idx / 7).to(torch.bfloat16).unsqueeze(-1)
+    exact = per_slot.double().sum(1)
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    assert ((flat.grad.double() - exact).abs() <= 0.5 * ulp + 1e-30).all()
+
+
 def test_fp32_combine_is_the_weighted_sum_and_its_gradients():
     moe = _moe(torch.float64)
     moe.experts.forward = _fake_experts
@@ -58,21 +76,25 @@ def test_fp32_combine_is_the_weighted_sum_and_its_gradients():
 
 
 def test_compiled_combine_has_no_accumulating_scatter():
-    """The forward graph (where the combine is) has no index_add / index_put: no atomics in the MoE output. (The
-    dispatch gather's backward still accumulates each token's k row gradients.)"""
+    """Neither the forward graph (the combine) nor the backward graph (the dispatch's gradient) has an index_add /
+    index_put: no atomics in the MoE output or in its input's gradient."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
-    forward: list[str] = []
+    graphs: dict[str, list[str]] = {"forward": [], "backward": []}
 
-    def keep_forward(gm, example_inputs):
-        forward.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return make_boxed_func(gm.forward)
+    def keep(name):
+        def compiler(gm, example_inputs):
+            graphs[name].extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return make_boxed_func(gm.forward)
+        return compiler
 
     moe = _moe(torch.float32)
     flat = torch.randn(32, moe.gate.weight.shape[1], requires_grad=True)
-    backend = aot_autograd(fw_compiler=keep_forward, bw_compiler=lambda gm, _: make_boxed_func(gm.forward))
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
     out, _ = torch.compile(moe, backend=backend, fullgraph=True)(flat)
     out.sum().backward()
-    assert "aten.index_copy.default" in forward, sorted(set(forward))
-    assert not any("index_add" in t or "index_put" in t for t in forward), sorted(set(forward))
+    assert flat.grad is not None
+    for name, targets in graphs.items():
+        assert "aten.index_copy.default" in targets, (name, sorted(set(targets)))
+        assert not any("index_add" in t or "index_put" in t for t in targets), (name, sorted(set(targets)))

@@ -287,7 +287,7 @@ def _moe(t: _Terms, regime: str) -> None:
     if not c.fp32_params:
         t.fixed("router", e * d * 4)  # weight.float()
     if regime == "compiled":
-        t.tok("router", 4 * d + 4 * e + 3 * 8 * k + 4 * k + 2 * k)  # FP32 input, logits, ids/order/token, weights
+        t.tok("router", 4 * d + 4 * e + 2 * 8 * k + 4 * k + 2 * k)  # FP32 input, logits, ids and order, weights
         # gathered rows, down output; gate, up, SwiGLU (with moe_chunk_tokens: one chunk's, alive while it is
         # recomputed in backward)
         t.tok("experts", (2 * k * d * a + 3 * k * ie * a) * c.expert_share)

@@ -72,6 +72,29 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, gate_proj: torc
     return out[index] if fp8 else out
 
 
+def _by_token(rows: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """Expert-sorted rows [N*k, D] back in (token, slot) order, [N, k, D]: row i goes to order[i], a permutation, so
+    no two writes meet (no atomics; the backward is a gather)."""
+    return torch.empty_like(rows).index_copy(0, order, rows).view(order.numel() // k, k, -1)
+
+
+class _Dispatch(torch.autograd.Function):
+    """flat[order // k]: each token's row once per slot, in expert order. The backward sums each token's k row
+    gradients in (token, slot) order, in FP32 with one rounding; the gather's own backward would add them with an
+    accumulating scatter (atomics on the GPU, a BF16 rounding per add, the order changing run to run)."""
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(order)
+        ctx.k = k
+        return flat[order // k]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (order,) = ctx.saved_tensors
+        return _by_token(grad, order, ctx.k).sum(1), None, None
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts stored as stacked [E, out, in] weights (HF splits them per expert on export).
 
@@ -155,15 +178,15 @@ class MoE(nn.Module):
         The combine puts the expert rows back in (token, slot) order and sums each token's k weighted rows: `order`
         is a permutation, so that is a scatter without collisions (its backward a gather), and the sum accumulates
         in FP32 with one rounding, in a fixed order. An index_add over the expert-sorted rows would add each
-        token's k rows with atomics on the GPU, rounding to BF16 at each add in an order that changes run to run."""
+        token's k rows with atomics on the GPU, rounding to BF16 at each add in an order that changes run to run.
+        The dispatch's backward (_Dispatch) sums each token's k row gradients the same way."""
         n, k = idx.shape
         experts = idx.flatten()
         order = torch.argsort(experts, stable=True)
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(
             0, experts, torch.ones_like(experts))  # static shape (bincount is data-dependent under compile)
-        routed = self.experts(flat[order // k], counts)
-        by_token = torch.empty_like(routed).index_copy(0, order, routed).view(n, k, -1)
-        return (by_token * weights.unsqueeze(-1).to(routed.dtype)).sum(1).to(flat.dtype), counts
+        routed = self.experts(_Dispatch.apply(flat, order, k), counts)
+        return (_by_token(routed, order, k) * weights.unsqueeze(-1).to(routed.dtype)).sum(1).to(flat.dtype), counts
 
     def init_weights(self) -> None:
         self.gate.init_weights()
