@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_moe_combine import _fake_experts, _moe
+from tests.unit.test_moe_combine import _fake_experts, _half_ulp, _moe
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -32,5 +32,4 @@ def test_cuda_combine_is_deterministic_and_rounds_once(compiled):
     if not compiled:
         y = flat.unsqueeze(1) * (1 + idx / 7).to(torch.bfloat16).unsqueeze(-1)
         exact = (y * weights.unsqueeze(-1).to(torch.bfloat16)).double().sum(1)
-        ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
-        assert ((first.double() - exact).abs() <= 0.5 * ulp + 1e-30).all()
+        assert ((first.double() - exact).abs() <= _half_ulp(exact)).all()

@@ -26,33 +26,39 @@ def _fake_experts(x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return x_sorted * (1 + expert / 7).to(x_sorted.dtype).unsqueeze(-1)
 
 
-def test_bf16_combine_rounds_once():
+def _bf16_case(seed: int) -> tuple[MoE, torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator]:
+    """A BF16 MoE with the fake experts, 96 tokens, and their routing (ids, weights)."""
     moe = _moe(torch.bfloat16)
     moe.experts.forward = _fake_experts
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     flat = (torch.randn(96, moe.gate.weight.shape[1], generator=gen) * 3).bfloat16()
     _, idx, weights = moe.gate(flat)
+    return moe, flat, idx, weights, gen
+
+
+def _half_ulp(exact: torch.Tensor) -> torch.Tensor:
+    """Half a BF16 ulp at each element of `exact` (FP64): the error of one rounding."""
+    return 0.5 * torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+
+
+def test_bf16_combine_rounds_once():
+    moe, flat, idx, weights, _ = _bf16_case(1)
     out, counts = moe._routed(flat, idx, weights)
     assert counts.sum() == idx.numel()
     # the k products, each rounded to BF16 as the module forms them, then their exact sum
     y = flat.unsqueeze(1) * (1 + idx / 7).to(torch.bfloat16).unsqueeze(-1)
     products = y * weights.unsqueeze(-1).to(torch.bfloat16)
     exact = products.double().sum(1)
-    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
-    assert ((out.double() - exact).abs() <= 0.5 * ulp + 1e-30).all()  # one rounding of an FP32 sum
+    assert ((out.double() - exact).abs() <= _half_ulp(exact)).all()  # one rounding of an FP32 sum
     sequential = torch.zeros_like(flat)  # the rows added one at a time in BF16 (CUDA atomics' rounding)
     for slot in range(idx.shape[1]):
         sequential = sequential + products[:, slot]
-    assert ((sequential.double() - exact).abs() > 0.5 * ulp).any()  # the check can fail
+    assert ((sequential.double() - exact).abs() > _half_ulp(exact)).any()  # the check can fail
 
 
 def test_bf16_dispatch_backward_rounds_once():
     """d(flat): each token's k row gradients summed in FP32 with one rounding (models/glm5/moe.py::_Dispatch)."""
-    moe = _moe(torch.bfloat16)
-    moe.experts.forward = _fake_experts
-    gen = torch.Generator().manual_seed(2)
-    flat = (torch.randn(96, moe.gate.weight.shape[1], generator=gen) * 3).bfloat16()
-    _, idx, weights = moe.gate(flat)
+    moe, flat, idx, weights, gen = _bf16_case(2)
     flat.requires_grad_()
     grad_out = torch.randn(flat.shape, generator=gen).bfloat16()
     moe._routed(flat, idx, weights)[0].backward(grad_out)
@@ -60,8 +66,7 @@ def test_bf16_dispatch_backward_rounds_once():
     per_slot = grad_out.unsqueeze(1) * weights.unsqueeze(-1).to(torch.bfloat16)
     per_slot = per_slot * (1 + idx / 7).to(torch.bfloat16).unsqueeze(-1)
     exact = per_slot.double().sum(1)
-    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
-    assert ((flat.grad.double() - exact).abs() <= 0.5 * ulp + 1e-30).all()
+    assert ((flat.grad.double() - exact).abs() <= _half_ulp(exact)).all()
 
 
 def test_fp32_combine_is_the_weighted_sum_and_its_gradients():
