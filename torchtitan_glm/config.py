@@ -204,6 +204,10 @@ class TrainingConfig(_Section):
                                             f"{self.local_batch_size} x {dp} = {rows}, got {self.global_batch_size}")
         return self.global_batch_size // rows
 
+    def tokens_per_step(self, dp: int) -> int:
+        """Global tokens per optimizer step: seq_len x local_batch_size x dp x the accumulated microbatches."""
+        return self.seq_len * self.local_batch_size * dp * self.accumulation_steps(dp)
+
 
 @dataclass(frozen=True)
 class DataConfig(_Section):

@@ -420,7 +420,7 @@ class Trainer:
             logger.warning(missed)
         losses_seen: list[float] = []
         steps_total = cfg.training.steps
-        tokens_per_step = cfg.training.seq_len * cfg.training.local_batch_size * self.dims.dp * self.accumulation.steps
+        tokens_per_step = cfg.training.tokens_per_step(self.dims.dp)
         window_start, window_tokens = time.perf_counter(), 0
         run_start = time.perf_counter()
         self.model.train()

@@ -34,6 +34,7 @@ def test_global_batch_size_is_checked():
     cfg = load_config(["--config", "train_configs/debug_model.toml", "--training.local_batch_size", "2",
                        "--training.global_batch_size", "6"])
     assert cfg.training.accumulation_steps(1) == 3
+    assert cfg.training.tokens_per_step(1) == cfg.training.seq_len * 6  # 3 microbatches of 2 rows
     with pytest.raises(ConfigError, match=r"training\.global_batch_size.*multiple of local_batch_size x the "
                                           r"data-parallel degree = 2 x 2 = 4, got 6"):
         cfg.training.accumulation_steps(2)

@@ -154,7 +154,7 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
     where = "; params, grads and optimizer in host memory (optimizer.cpu_offload)" if opt.cpu_offload else ""
     backend = "nccl" if device.type == "cuda" else "gloo"
     micro = cfg.training.accumulation_steps(dp_size)
-    tokens = cfg.training.seq_len * cfg.training.local_batch_size * dp_size * micro
+    tokens = cfg.training.tokens_per_step(dp_size)
     ck = cfg.checkpoint
     saving = "async" if ck.async_mode == "async" else "synchronous"
     checkpoints = (f"{os.path.join(cfg.job.dump_folder, ck.folder)} (every {ck.interval} steps, keep "
