@@ -100,9 +100,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     p.add_argument("--hf", default=None, help="HF checkpoint directory (default: the flavor, seeded random init)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--recipe", default="tensorwise", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="default: cuda; on a machine without one, say --device cpu")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    if a.device is None:
+        if not torch.cuda.is_available():  # the proxy's forwards on CPU take many minutes: make it a choice
+            p.error("no CUDA device: pass --device cpu (quick on CPU: --flavor debug --seq-len 256 --device cpu)")
+        a.device = "cuda"
     device = torch.device(a.device)
     torch.manual_seed(0)
     if a.hf:

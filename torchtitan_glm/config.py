@@ -106,6 +106,10 @@ class ModelConfig(_Section):
     """
 
     SECTION: ClassVar[str] = "model"
+    # Glm5ModelArgs fields the trainer sets from another key: what to set instead.
+    DERIVED_KEYS: ClassVar[dict[str, str]] = {
+        "dsa_attention": "is set by the trainer from loss.indexer_stage (\"dense_warmup\" runs DSA attention "
+                         "dense, \"sparse\" the top-k selection): set that key instead"}
     name: str = "glm5"
     flavor: str = "debug"
     hf_config: str = ""
@@ -117,7 +121,7 @@ class ModelConfig(_Section):
         from torchtitan_glm.models.glm5.args import Glm5ModelArgs
 
         hints = typing.get_type_hints(Glm5ModelArgs)
-        return {f.name: hints[f.name] for f in dataclasses.fields(Glm5ModelArgs) if f.name != "dsa_attention"}
+        return {f.name: hints[f.name] for f in dataclasses.fields(Glm5ModelArgs) if f.name not in cls.DERIVED_KEYS}
 
     def model_args(self):
         """The Glm5ModelArgs these keys describe (hf_config, else flavor, then the overrides)."""
@@ -126,6 +130,8 @@ class ModelConfig(_Section):
         changes = dict(self.args)
         if "num_hidden_layers" in changes:  # per-layer lists not given are derived again for the new depth
             changes = {**{k: None for k in ("layer_types", "mlp_layer_types", "indexer_types")}, **changes}
+        elif "first_k_dense_replace" in changes:  # mlp_layer_types, unless given too, follows the new count
+            changes = {"mlp_layer_types": None, **changes}
         if self.hf_config:
             return Glm5ModelArgs.from_hf_config(self.hf_config, **changes)
         return get_flavor(self.flavor).replace(**changes)
@@ -145,6 +151,9 @@ class ModelConfig(_Section):
         except ModelArgsError as e:
             if e.key in self.args:
                 self._fail(e.key, str(e))
+            if len(self.args) == 1:  # the flavor / hf_config alone is valid, so the one override broke it
+                key, value = next(iter(self.args.items()))
+                self._fail(key, f"{key} = {value!r} on {self.hf_config or self.flavor}: {e}")
             self._fail("hf_config" if self.hf_config else "flavor",
                        f"{self.hf_config or self.flavor}: {e}")
         except TypeError as e:
@@ -782,6 +791,9 @@ def _lookup(section: str, key: str | None, source: str) -> Any:
         raise ConfigError(section, f"unknown section [{section}]{hint}", source)
     types_ = {k: tp for k, tp in _field_types(_SECTIONS[section]).items() if tp is not dict}
     types_.update(_SECTIONS[section].extra_keys())
+    derived = getattr(_SECTIONS[section], "DERIVED_KEYS", {})
+    if key in derived:
+        raise ConfigError(f"{section}.{key}", derived[key], source)
     if key is not None and key not in types_:
         close = difflib.get_close_matches(key, types_, n=1)
         hint = f"; did you mean `{section}.{close[0]}`?" if close else f"; known keys: {sorted(types_)}"

@@ -82,7 +82,9 @@ class Float8Summary:
     recipe: str | None
     converted_linears: int = 0
     grouped_expert_weights: int = 0
-    kept_bf16: dict[str, int] = field(default_factory=dict)
+    kept_bf16: dict[str, int] = field(default_factory=dict)  # role -> Linears kept BF16 by float8.keep_bf16
+    left_bf16: dict[str, int] = field(default_factory=dict)  # role -> Linears of an FP8 role that stayed BF16
+    experts_left_bf16: int = 0  # GroupedExperts modules left BF16 (a dim not divisible by 16)
 
     def line(self) -> str:
         if self.recipe is None:
@@ -91,16 +93,40 @@ class Float8Summary:
         return (f"float8: recipe={self.recipe}, converted {self.converted_linears} Linear, "
                 f"{self.grouped_expert_weights} grouped-expert weights; kept BF16 by role: {kept}")
 
+    def left_line(self) -> str:
+        """What the split meant to run in FP8 but left BF16 (torchao's dims-divisible-by-16 rule, or a Linear read
+        only through its weight); empty when nothing was."""
+        parts = []
+        if self.left_bf16:
+            by_role = ", ".join(f"{r}={n}" for r, n in self.left_bf16.items())
+            parts.append(f"{sum(self.left_bf16.values())} Linear ({by_role})")
+        if self.experts_left_bf16:
+            parts.append(f"{self.experts_left_bf16} routed-expert modules")
+        if self.recipe is None or not parts:
+            return ""
+        return ("float8: left BF16 although their role runs FP8 (a dim not divisible by 16, or read only through "
+                "its weight): " + "; ".join(parts))
 
-def summarize(model: nn.Module, *, recipe: str | None, keep_bf16: list[str] | tuple[str, ...]) -> Float8Summary:
-    """Count converted Linears, FP8 expert weights and BF16-kept Linears per role in `model` as it is now."""
+
+SERVING_BF16_ROLES = ("indexer", "mla", "kda")
+
+
+def summarize(model: nn.Module, *, recipe: str | None, keep_bf16: list[str] | tuple[str, ...],
+              moe_experts: bool = True) -> Float8Summary:
+    """Count converted Linears, FP8 expert weights, BF16-kept Linears per role (the serving roles always named,
+    0 when converted) and what an FP8 role left BF16, in `model` as it is now."""
     f8 = float8_linear_class() if recipe is not None else None
     modules = dict(model.named_modules())
     roles = linear_roles(model)
     converted = sum(1 for m in modules.values() if f8 is not None and isinstance(m, f8))
     kept = Counter(r for fqn, r in roles.items() if r in keep_bf16 and not (f8 and isinstance(modules[fqn], f8)))
-    experts = sum(3 for _, m in _expert_modules(model) if m.fp8)
-    return Float8Summary(recipe, converted, experts, {r: kept.get(r, 0) for r in keep_bf16})
+    left = Counter(r for fqn, r in roles.items() if f8 is not None and r not in keep_bf16
+                   and not isinstance(modules[fqn], f8))
+    experts = _expert_modules(model)
+    named = [*SERVING_BF16_ROLES, *(r for r in keep_bf16 if r not in SERVING_BF16_ROLES)]
+    return Float8Summary(recipe, converted, sum(3 for _, m in experts if m.fp8), {r: kept.get(r, 0) for r in named},
+                         dict(sorted(left.items())),
+                         sum(1 for _, m in experts if not m.fp8) if recipe is not None and moe_experts else 0)
 
 
 def _linear_config(cfg: Float8Config):
@@ -122,15 +148,26 @@ def convert_float8(model: nn.Module, *, cfg: Float8Config) -> Float8Summary:
     if cfg.moe_experts:
         for _, experts in _expert_modules(model):
             experts.fp8 = _experts_fp8_ok(experts)
-    return summarize(model, recipe=cfg.recipe, keep_bf16=cfg.keep_bf16)
+    return summarize(model, recipe=cfg.recipe, keep_bf16=cfg.keep_bf16, moe_experts=cfg.moe_experts)
 
 
 def precompute_float8_scales(model: nn.Module, *, cfg: Float8Config) -> None:
-    """After optimizer.step(): one amax all-reduce for every FP8-all-gathered weight (tensorwise FSDP2 path)."""
-    if cfg.enable and cfg.fsdp_float8_all_gather:
-        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    """After optimizer.step(): the scales of the FP8-all-gathered weights (tensorwise FSDP2 path), one amax
+    all-reduce per group of weights sharded alike. torchao's function stacks the amaxes of all the weights it is
+    given, which needs one device mesh: under tensor parallelism the TP-split weights live on the (dp, tp) mesh and
+    the others on the dp mesh alone."""
+    if not (cfg.enable and cfg.fsdp_float8_all_gather):
+        return
+    from torch.distributed.tensor import DTensor
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-        precompute_float8_dynamic_scale_for_fsdp(model)
+    groups: dict[tuple, list[nn.Module]] = {}
+    for m in model.modules():
+        if isinstance(m, float8_linear_class()) and isinstance(m.weight, DTensor):
+            reduced = tuple(not p.is_replicate() for p in m.weight.placements)  # mesh dims the amax reduces over
+            groups.setdefault((m.weight.device_mesh, reduced), []).append(m)
+    for linears in groups.values():
+        precompute_float8_dynamic_scale_for_fsdp(nn.ModuleList(linears))
 
 
 def plain_tensors(state: object) -> object:

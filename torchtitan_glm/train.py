@@ -27,7 +27,7 @@ from torchtitan_glm.components.metrics import (
 )
 from torchtitan_glm.components.optimizer import build_optimizer, clip_grad_norm_
 from torchtitan_glm.components.profiling import StepProfiler
-from torchtitan_glm.components.resume import layout_note, resume_mismatches, run_info, schedule_note
+from torchtitan_glm.components.resume import layout_note, precision_note, resume_mismatches, run_info, schedule_note
 from torchtitan_glm.components.signals import StopRequest
 from torchtitan_glm.components.step_stats import PendingStep, StepStats, optimizer_step, supports_device_skip
 from torchtitan_glm.components.tokenizer import build_tokenizer, check_vocab_fits
@@ -61,6 +61,8 @@ def build_model_args(cfg: JobConfig) -> Glm5ModelArgs:
 
 
 def _model_source(cfg: JobConfig) -> str:
+    if "vocab_size" in cfg.model.args:
+        return "model.vocab_size"
     if cfg.model.hf_config:
         return f"model.hf_config {cfg.model.hf_config}"
     if cfg.checkpoint.initial_load_in_hf and cfg.checkpoint.initial_load_path:
@@ -211,6 +213,8 @@ class Trainer:
         self.float8 = convert_float8(model, cfg=cfg.float8)
         if self.rank == 0:
             print(self.float8.line(), flush=True)
+            if self.float8.left_line():
+                print(self.float8.left_line(), flush=True)
         configure_inductor_for_float8(cfg=cfg.float8)
         small = sum(p.numel() for p in model.parameters()) <= _MATERIALIZE_INIT_MAX_PARAMS
         if small:
@@ -510,9 +514,10 @@ class Trainer:
         self._resume_state = (f"resumed from the step-{step} checkpoint {path}, training to step "
                               f"{cfg.training.steps}; to start fresh instead, use a new --job.dump_folder")
         changed = layout_note(saved, self.run_info, next_row=self.dataloader.position) if saved is not None else None
+        precision = precision_note(saved, self.run_info) if saved is not None else None
         if self.rank == 0:
             logger.info(self._resume_state)
-            for line in (note, changed):
+            for line in (note, changed, precision):
                 if line:
                     logger.warning(line)
         return step

@@ -48,3 +48,17 @@ def test_checkpoints_resume_across_precisions(tmp_path):
     assert "model.language_model.layers.3.self_attn.indexer" in quant["modules_to_not_convert"]
     model = from_pretrained(export)
     assert model.args.num_hidden_layers == 4
+
+
+def test_fp8_all_gather_under_tensor_parallelism_matches_plain_fp8(tmp_path):
+    # FSDP2 x TP (2 gloo ranks, tp 2): the TP-split weights and the FSDP-only ones (KDA, indexer, ...) sit on
+    # different meshes; the FP8 all-gather's precomputed scales must cover both and equal the scales the plain
+    # tensorwise path computes from the gathered weight.
+    run = ["--config", "train_configs/debug_model_2d.toml", "--training.steps", "3", "--lr_scheduler.warmup_steps",
+           "1", "--metrics.log_freq", "1", "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false"]
+    plain = _losses(_run_ok(run + FP8 + [f"--job.dump_folder={tmp_path / 'plain'}"]).stdout)
+    gathered = _losses(_run_ok(run + FP8 + ["--float8.fsdp_float8_all_gather", "true",
+                                            f"--job.dump_folder={tmp_path / 'gathered'}"]).stdout)
+    assert sorted(gathered) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert abs(gathered[step] - plain[step]) <= 1e-4 * plain[step], (step, gathered, plain)

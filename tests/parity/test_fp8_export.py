@@ -81,3 +81,23 @@ def _fp32_kept(model):
             for n, _ in m.named_parameters(recurse=False)} | {
         f"{p}.{n}" for p, m in model.named_modules() if getattr(type(m), "keep_fp32", False)
         for n, _ in m.named_buffers(recurse=False)}
+
+
+def test_fp8_export_with_indexer_converted_loads_back(tmp_path):
+    # float8.keep_bf16 without "indexer": the indexer's Linears go E4M3, so the indexer cannot be listed whole in
+    # modules_to_not_convert (the loader refuses an FP8 tensor inside a listed module).
+    args = get_flavor("debug").replace(hidden_size=256, kv_lora_rank=32, q_lora_rank=64)
+    torch.manual_seed(0)
+    model = Glm5Model(args)
+    save_pretrained(model, tmp_path / "fp8", dtype=torch.bfloat16, fp8=True, keep_bf16=("mla", "kda"))
+    files = _files(tmp_path / "fp8")
+    not_convert = set(json.loads((tmp_path / "fp8" / "config.json").read_text())
+                      ["quantization_config"]["modules_to_not_convert"])
+    indexer = "model.language_model.layers.3.self_attn.indexer"
+    assert files[f"{indexer}.wk.weight"].dtype == torch.float8_e4m3fn
+    assert indexer not in not_convert
+    assert files["model.language_model.layers.3.self_attn.o_proj.weight"].dtype == torch.bfloat16
+    loaded = from_pretrained(tmp_path / "fp8", dtype=torch.float32)
+    name = next(n for n in model.state_dict() if n.endswith("indexer.wk.weight"))
+    w, got = model.state_dict()[name], loaded.state_dict()[name]
+    assert not torch.equal(got, w) and ((got - w).abs() <= w.abs() * 2.0**-4 + w.abs().amax() / 448 * 2.0**-9).all()

@@ -172,6 +172,22 @@ def test_our_model_round_trip(tmp_path):
         assert torch.equal(got16[k], want), k
 
 
+def test_learned_hc_head_is_recorded_and_loads_back(tmp_path):
+    # hc_head = "learned" adds parameters: config.json must say so, or the checkpoint cannot be read back.
+    torch.manual_seed(2)
+    model = Glm5Model(_tiny_ours(seed=2).args.replace(hc_head="learned"))
+    out = save_pretrained(model, tmp_path / "learned")
+    assert json.loads((out / "config.json").read_text())["text_config"]["hc_head"] == "learned"
+    loaded = from_pretrained(out)
+    assert loaded.args.hc_head == "learned"
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    again = save_pretrained(loaded, tmp_path / "again")  # a loaded checkpoint keeps the key when re-exported
+    assert json.loads((again / "config.json").read_text())["text_config"]["hc_head"] == "learned"
+    mean = save_pretrained(_tiny_ours(seed=1), tmp_path / "mean")  # the released default: no key
+    assert "hc_head" not in json.loads((mean / "config.json").read_text())["text_config"]
+
+
 def _quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = w.shape
     bo, bi = block

@@ -31,6 +31,22 @@ def test_float8_defaults_are_the_serving_split():
     (["--model.index_head_dim", "24", "--model.indexer_fp8_emulation", "true"], "model.indexer_fp8_emulation"),
     (["--model.no_such_field", "1"], "model.no_such_field"),
     (["--model.dsa_attention", "dense"], "model.dsa_attention"),  # set by loss.indexer_stage
+    # values the model cannot run (each crashed or trained on NaN before it was checked)
+    (["--model.kv_lora_rank", "0"], "model.kv_lora_rank"),
+    (["--model.intermediate_size", "0"], "model.intermediate_size"),
+    (["--model.moe_intermediate_size", "0"], "model.moe_intermediate_size"),
+    (["--model.n_shared_experts", "0"], "model.n_shared_experts"),
+    (["--model.v_head_dim", "0"], "model.v_head_dim"),
+    (["--model.linear_conv_kernel_dim", "0"], "model.linear_conv_kernel_dim"),
+    (["--model.max_position_embeddings", "-5"], "model.max_position_embeddings"),
+    (["--model.first_k_dense_replace", "-1"], "model.first_k_dense_replace"),
+    (["--model.rms_norm_eps", "-1"], "model.rms_norm_eps"),
+    (["--model.routed_scaling_factor", "nan"], "model.routed_scaling_factor"),
+    (["--model.initializer_range", "inf"], "model.initializer_range"),
+    (["--model.moe_router_dtype", "garbage"], "model.moe_router_dtype"),
+    (["--model.topk_method", "garbage"], "model.topk_method"),
+    # the flavor alone is valid, so a lone override that breaks a rule elsewhere is the key to name
+    (["--model.index_kpool", "3"], "model.index_kpool"),
 ])
 def test_bad_keys_name_themselves(argv, key):
     with pytest.raises(ConfigError) as info:
@@ -52,6 +68,20 @@ def test_model_overrides_reach_the_args_and_round_trip(tmp_path, capsys):
     path.write_text(toml)
     again = load_config(["--config", str(path)])
     assert again.model.args == {k: v for k, v in cfg.model.args.items() if v is not None}
+
+
+def test_trainer_set_model_field_points_at_its_key():
+    with pytest.raises(ConfigError) as info:
+        load_config(["--model.dsa_attention", "dense"])
+    assert "loss.indexer_stage" in str(info.value) and "did you mean" not in str(info.value)
+
+
+def test_first_k_dense_replace_override_rederives_the_mlp_types():
+    args = load_config(["--model.flavor", "glm5_3_flash_proxy", "--model.first_k_dense_replace", "1"]).model.model_args()
+    assert args.mlp_layer_types == ["dense"] + ["sparse"] * (args.num_hidden_layers - 1)
+    given = ["sparse", "dense", "sparse", "sparse"]  # an explicit list still wins
+    args = load_config(["--model.first_k_dense_replace", "2", "--model.mlp_layer_types", ",".join(given)]).model.model_args()
+    assert args.mlp_layer_types == given
 
 
 def test_train_exits_2_naming_a_bad_float8_key():

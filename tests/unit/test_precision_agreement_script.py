@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -23,3 +26,11 @@ def test_precision_agreement_on_debug(tmp_path):
     assert r["fp8_split"]["mean_kl"] < r["fp8_all"]["mean_kl"]
     assert r["fp8_split"]["indexer_topk_overlap"][0] > r["fp8_all"]["indexer_topk_overlap"][0]
     assert "fp8_split" in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_no_cuda_and_no_device_is_refused_quickly():
+    # Without CUDA the default would be the proxy on CPU for many minutes: the script asks for --device instead.
+    proc = subprocess.run([sys.executable, "scripts/precision_agreement.py"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"})
+    assert proc.returncode == 2 and "--device cpu" in proc.stderr, proc.stderr[-2000:]

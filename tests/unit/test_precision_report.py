@@ -95,6 +95,24 @@ def test_startup_counts_match_converted_modules_and_zero_when_off():
     mla = model.layers["3"].self_attn
     assert isinstance(mla.q_b_proj, f8) and isinstance(mla.indexer.wk, f8)
     assert not isinstance(model.layers["0"].self_attn.o_proj, f8)
-    assert summary.kept_bf16 == {"kda": 27} and summary.grouped_expert_weights == 12
+    assert summary.kept_bf16 == {"indexer": 0, "mla": 0, "kda": 27} and summary.grouped_expert_weights == 12
+    # what an FP8 role left BF16, counted from the model: every non-kda Linear that is not a Float8Linear
+    from torchtitan_glm.float8 import linear_roles
+
+    modules = dict(model.named_modules())
+    left = Counter(r for fqn, r in linear_roles(model).items() if r != "kda" and not isinstance(modules[fqn], f8))
+    assert left and summary.left_bf16 == dict(left)
+    assert summary.left_line() == ("float8: left BF16 although their role runs FP8 (a dim not divisible by 16, or "
+                                   f"read only through its weight): {sum(left.values())} Linear ("
+                                   + ", ".join(f"{r}={n}" for r, n in sorted(left.items())) + ")")
     off = convert_float8(Glm5Model(get_flavor("debug")), cfg=load_config([]).float8)
     assert (off.converted_linears, off.grouped_expert_weights) == (0, 0) and off.line().startswith("float8: off")
+
+
+def test_experts_left_bf16_by_the_shape_rule_are_reported():
+    cfg = load_config(["--float8.enable", "true"])
+    model = Glm5Model(get_flavor("debug").replace(moe_intermediate_size=24))
+    summary = convert_float8(model, cfg=cfg.float8)
+    assert summary.grouped_expert_weights == 0 and summary.experts_left_bf16 == 4  # 3 MoE layers + the MTP's
+    assert "4 routed-expert modules" in summary.left_line()
+    assert convert_float8(Glm5Model(get_flavor("debug")), cfg=load_config([]).float8).left_line() == ""

@@ -10,7 +10,7 @@ import torch
 
 from torchtitan_glm.components.logs import memory_per_rank, startup_summary
 from torchtitan_glm.components.lr_scheduler import build_lr_scheduler
-from torchtitan_glm.components.resume import resume_mismatches, run_info, schedule_note
+from torchtitan_glm.components.resume import precision_note, resume_mismatches, run_info, schedule_note
 from torchtitan_glm.config import load_config
 from torchtitan_glm.models.glm5 import Glm5Model, get_flavor
 
@@ -58,6 +58,23 @@ def test_schedule_note_says_what_the_resumed_scheduler_does():
         sched_b.step()
     assert float(m[3]) == pytest.approx(opt_b.param_groups[0]["lr"], rel=5e-3)
     assert schedule_note(saved, _info("--training.steps", "10"), 10) is None
+
+
+def test_precision_note_names_the_change_both_ways():
+    bf16, fp8 = _info(), _info("--float8.enable", "true")
+    assert resume_mismatches(bf16, fp8) == []  # names and values carry over: an allowed change
+    note = precision_note(bf16, fp8)
+    assert note is not None and "float8.enable False -> True" in note
+    param = bf16["config"]["training"]["mixed_precision_param"]
+    assert f"ran {param} (float8 off), from here on FP8 tensorwise, FP8 grouped experts, kept {param}: indexer, " \
+           "mla, kda" in note
+    back = precision_note(fp8, bf16)
+    assert back is not None and f"from here on {param} (float8 off)" in back
+    assert "float8.recipe 'tensorwise' -> 'rowwise'" in precision_note(fp8, _info("--float8.enable", "true",
+                                                                                 "--float8.recipe", "rowwise"))
+    assert precision_note(fp8, _info("--float8.enable", "true")) is None
+    # a float8 key changed while float8 stays off computes nothing differently
+    assert precision_note(bf16, _info("--float8.recipe", "rowwise")) is None
 
 
 def test_startup_summary_counts_this_ranks_state():

@@ -1,5 +1,6 @@
 """What a resumed run must keep, and what it should be told: the run facts saved with each checkpoint (run.json),
-the settings whose change breaks an exact resume, and what a changed LR schedule does at the resume step."""
+the settings whose change breaks an exact resume, and what a changed LR schedule, layout or precision does at the
+resume step."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from torchtitan_glm.components.lr_scheduler import lr_factor
 
-__all__ = ["run_info", "resume_mismatches", "schedule_note", "layout_note"]
+__all__ = ["run_info", "resume_mismatches", "schedule_note", "layout_note", "precision_note"]
 
 # Model arguments that follow other settings and may change between stages without changing any parameter.
 _FREE_ARGS = ("dsa_attention", "dsa_dense_max_len")
@@ -92,3 +93,28 @@ def layout_note(saved: dict[str, Any], current: dict[str, Any], *, next_row: int
                     f" in batches of {new_rows}; set training.global_batch_size = {old_rows} to continue the same "
                     "batches")
     return "; ".join(note) or None
+
+
+def _precision(cfg: dict[str, Any]) -> str:
+    f8 = cfg.get("float8", {})
+    param = cfg.get("training", {}).get("mixed_precision_param")
+    if not f8.get("enable"):
+        return f"{param} (float8 off)"
+    experts = ", FP8 grouped experts" if f8.get("moe_experts") else ""
+    return f"FP8 {f8.get('recipe')}{experts}, kept {param}: {', '.join(f8.get('keep_bf16', [])) or 'none'}"
+
+
+def precision_note(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """One sentence on a resume under other compute precisions ([float8], training.mixed_precision_param; None:
+    unchanged). Parameter names and values carry over as they are; only what the GEMMs compute in changes."""
+    old_cfg, new_cfg = saved.get("config"), current["config"]
+    if not old_cfg:
+        return None
+    keys = [("float8", k) for k in new_cfg.get("float8", {})] + [("training", "mixed_precision_param")]
+    changed = [f"{sec}.{k} {old_cfg.get(sec, {}).get(k)!r} -> {new_cfg[sec][k]!r}" for sec, k in keys
+               if old_cfg.get(sec, {}).get(k) != new_cfg[sec][k]]
+    if not changed or _precision(old_cfg) == _precision(new_cfg):
+        return None
+    return (f"the compute precision changed since the checkpoint ({', '.join(changed)}): the weights and optimizer "
+            f"state carry over unchanged; the steps trained so far ran {_precision(old_cfg)}, from here on "
+            f"{_precision(new_cfg)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,10 +154,28 @@ class Glm5ModelArgs:
         def fail(key: str, msg: str) -> None:
             raise ModelArgsError(f"model arg `{key}`: {msg}", key=key)
 
-        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "linear_num_heads",
-                    "linear_head_dim", "index_n_heads", "index_head_dim", "hc_mult", "hc_sinkhorn_iters"):
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "n_shared_experts", "n_routed_experts", "kv_lora_rank", "v_head_dim",
+                    "qk_nope_head_dim", "max_position_embeddings", "linear_num_heads", "linear_head_dim",
+                    "linear_conv_kernel_dim", "index_topk", "index_n_heads", "index_head_dim", "hc_mult",
+                    "hc_sinkhorn_iters"):
             if int(getattr(self, key)) < 1:
                 fail(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.first_k_dense_replace < 0:
+            fail("first_k_dense_replace", f"must be >= 0, got {self.first_k_dense_replace}")
+        for key in ("rms_norm_eps", "hc_eps", "routed_scaling_factor", "swiglu_limit"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value > 0):
+                fail(key, f"must be a finite number > 0, got {value}")
+        for key in ("initializer_range", "router_aux_loss_coef"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value >= 0):
+                fail(key, f"must be a finite number >= 0, got {value}")
+        # Carried from config.json; the model implements only these (the router always computes in FP32).
+        if self.topk_method != "noaux_tc":
+            fail("topk_method", f"only 'noaux_tc' routing is supported, got {self.topk_method!r}")
+        if self.moe_router_dtype != "float32":
+            fail("moe_router_dtype", f"the router computes in float32 only, got {self.moe_router_dtype!r}")
         for key, values in (("layer_types", self.layer_types), ("mlp_layer_types", self.mlp_layer_types),
                             ("indexer_types", self.indexer_types)):
             if len(values) != n:
@@ -256,10 +275,13 @@ class Glm5ModelArgs:
         return cls(**kwargs)
 
     def to_hf_config(self) -> dict[str, Any]:
-        """The flat text config.json dict that `from_hf_config` reads back (model_type glm5_next_text)."""
+        """The flat text config.json dict that `from_hf_config` reads back (model_type glm5_next_text): the trainer's
+        own fields left out, except a non-default hc_head, which changes the parameters."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for k in TRAINER_FIELDS:
             out.pop(k)
+        if self.hc_head != "mean":  # adds parameters, so a checkpoint must say so (absent: the released "mean")
+            out["hc_head"] = self.hc_head
         out["head_dim"] = self.qk_rope_head_dim
         out["model_type"] = "glm5_next_text"
         out["architectures"] = ["Glm5NextTextModel"]

@@ -270,10 +270,13 @@ def _indexer_hf_modules(model: Glm5Model, adapter: Glm5StateDictAdapter) -> set[
 
 def fp8_quantization_config(shapes: Mapping[str, tuple[int, ...]], quantized: set[str],
                             indexer_modules: set[str]) -> dict[str, Any]:
-    """config.json's quantization_config of an FP8 export: every 2-D weight left unquantised, and the indexers
-    whole, listed in modules_to_not_convert."""
+    """config.json's quantization_config of an FP8 export: every 2-D weight left unquantised, and each indexer
+    the export keeps BF16 whole (k_norm and index_kpool_compress_* included), listed in modules_to_not_convert.
+    An indexer with an E4M3 weight (float8.keep_bf16 without "indexer") is not listed whole: a loader would
+    refuse its FP8 tensors."""
+    whole = {m for m in indexer_modules if not any(q.startswith(m + ".") for q in quantized)}
     not_convert = sorted({n.rsplit(".", 1)[0] for n, shape in shapes.items() if n not in quantized
-                          and n.endswith(".weight") and len(shape) == 2} | indexer_modules)
+                          and n.endswith(".weight") and len(shape) == 2} | whole)
     return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": [FP8_BLOCK, FP8_BLOCK], "modules_to_not_convert": not_convert}
 
@@ -291,7 +294,7 @@ def _export_config(model: Glm5Model, origin: HfOrigin | None, dtype: torch.dtype
         cfg.pop("quantization_config", None)
         if isinstance(cfg.get("text_config"), dict):
             cfg["text_config"].pop("quantization_config", None)
-        reread = Glm5ModelArgs.from_hf_config(cfg, **{k: getattr(args, k) for k in TRAINER_FIELDS})
+        reread = Glm5ModelArgs.from_hf_config(cfg, **{k: getattr(args, k) for k in TRAINER_FIELDS if k != "hc_head"})
         if reread != args:
             logger.info("model args differ from the loaded config.json; updating its text keys")
             (cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg).update(text)
