@@ -129,7 +129,17 @@ class CpuPeak(TorchDispatchMode):
         self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        if func.namespace == "torchtitan_glm":
+            # The project's custom ops allocate inside their kernels, below this mode: run the CPU kernel with the
+            # mode active again, so its temporaries are counted too.
+            with self:
+                out = func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **(kwargs or {}))
+        else:
+            out = func(*args, **(kwargs or {}))
+        self._record(out)
+        return out
+
+    def _record(self, out) -> None:
         new = False
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
@@ -141,7 +151,6 @@ class CpuPeak(TorchDispatchMode):
         if new:
             self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
             self.peak = max(self.peak, sum(n for _, n in self.live.values()))
-        return out
 
     @property
     def peak_bytes(self) -> int:
@@ -339,6 +348,18 @@ def add_ratios(row: dict, reference: dict | None) -> None:
     row["memory_ratio"] = round(mem, 3) if math.isfinite(mem) else float("nan")
 
 
+def _parse_runs(p: argparse.ArgumentParser, text: str) -> list[tuple[str, str, bool]]:
+    """--runs as (mode, ac, fp8) triples; argparse's error (exit 2) naming the bad spec."""
+    runs = []
+    for spec in text.split(","):
+        mode, ac, *rest = spec.split(":") + ([] if ":" in spec else [""])
+        if mode not in ("eager", "compiled") or ac not in ("none", "full", "selective", "auto") or rest not in ([], ["fp8"]):
+            p.error(f"--runs: {spec!r} is not mode:ac[:fp8] with mode in {{eager, compiled}} and ac in {{none, full, "
+                    "selective, auto}")
+        runs.append((mode, ac, bool(rest)))
+    return runs
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flavor", default="glm5_3_flash_proxy")
@@ -389,7 +410,22 @@ def main() -> None:
     unknown = set(recompute) - set(RECOMPUTE_MODULES)
     if unknown:
         p.error(f"--recompute-modules: unknown {sorted(unknown)}; choose from {list(RECOMPUTE_MODULES)}")
-    seq_lens = SWEEP if a.seq_len == "sweep" else tuple(int(t) for t in a.seq_len.split(","))
+    try:
+        seq_lens = SWEEP if a.seq_len == "sweep" else tuple(int(t) for t in a.seq_len.split(","))
+    except ValueError:
+        p.error(f"--seq-len: a token count, comma-separated counts, or 'sweep'; got {a.seq_len!r}")
+    if min(seq_lens) < 1:
+        p.error(f"--seq-len: token counts must be >= 1, got {a.seq_len!r}")
+    runs = _parse_runs(p, a.runs)
+    for key, value, low in (("--batch", a.batch, 1), ("--docs", a.docs, 1), ("--steps", a.steps, 1),
+                            ("--warmup", a.warmup, 0), ("--moe-chunk-tokens", a.moe_chunk_tokens, 0),
+                            ("--indexer-tile-elements", a.indexer_tile_elements, 0)):
+        if value < low:
+            p.error(f"{key} must be >= {low}, got {value}")
+    if recompute and not any(ac == "selective" for _, ac, _ in runs):
+        p.error("--recompute-modules refines selective AC: no run in --runs is ':selective'")
+    if a.offload_inputs and not any(ac in ("full", "auto") for _, ac, _ in runs):
+        p.error("--offload-inputs offloads what full AC saves: no run in --runs is ':full' (or ':auto')")
     try:
         dense_max_lens = tuple(int(v) for v in a.dsa_dense_max_len.split(",")) if a.dsa_dense_max_len else (None,)
     except ValueError:
@@ -424,20 +460,19 @@ def main() -> None:
                 gc.collect()
                 torch.cuda.empty_cache()
             emit(reference)
-        for spec, dense_max in ((spec, dm) for dm in dense_max_lens for spec in a.runs.split(",")):
-            mode, ac, *fp8 = spec.split(":")
+        for (mode, ac, fp8), dense_max in ((run, dm) for dm in dense_max_lens for run in runs):
             ac = auto_ac(seq_len) if ac == "auto" else ac
             try:
                 r = run_one(flavor=a.flavor, seq_len=seq_len, batch=a.batch, compiled=mode == "compiled", ac=ac,
                             steps=a.steps, warmup=a.warmup, device=device, dtype=getattr(torch, a.dtype),
                             backend=a.backend, scope=a.scope, profile=a.profile, indexer_kl=a.indexer_kl, docs=a.docs,
-                            tile_elements=tile_elements, float8=a.float8_recipe if fp8 == ["fp8"] else None,
+                            tile_elements=tile_elements, float8=a.float8_recipe if fp8 else None,
                             weights=weights, recompute_modules=recompute, dsa_dense_max_len=dense_max,
                             memory_profile=a.memory_profile and device.type == "cuda",
                             moe_chunk_tokens=a.moe_chunk_tokens, offload_inputs=a.offload_inputs)
             except torch.cuda.OutOfMemoryError as e:
                 r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=ac,
-                         float8=a.float8_recipe if fp8 == ["fp8"] else "off", oom=str(e).split(".")[0])
+                         float8=a.float8_recipe if fp8 else "off", oom=str(e).split(".")[0])
             if "oom" in r:  # outside the handler: its traceback no longer holds the model
                 gc.collect()
                 torch.cuda.empty_cache()

@@ -50,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
 def run(argv: list[str]) -> str:
     """The script's output for `argv` (planner options and train.py's --config/--section.key arguments)."""
     opts, rest = _parser().parse_known_args(argv)
+    if opts.gpus < 1:
+        raise PlanError(f"--gpus must be >= 1, got {opts.gpus}")
+    if opts.top < 1:
+        raise PlanError(f"--top must be >= 1, got {opts.top}")
     request = Request(tuple(rest), opts.gpus, get_gpu(opts.gpu), opts.scope, opts.what_if)
     if opts.search:
         if opts.scope != "train":
@@ -60,7 +64,10 @@ def run(argv: list[str]) -> str:
             if unknown:
                 raise PlanError(f"--ac: unknown mode(s) {unknown}; choose from {sorted(_REGIMES)}")
             regimes = tuple(_REGIMES[m] for m in opts.ac.split(","))
-        batches = tuple(int(b) for b in opts.local_batch.split(",")) if opts.local_batch else None
+        try:
+            batches = tuple(int(b) for b in opts.local_batch.split(",")) if opts.local_batch else None
+        except ValueError:
+            raise PlanError(f"--local-batch: comma-separated integers, got {opts.local_batch!r}") from None
         result = search(request, top=opts.top, regimes=regimes, local_batches=batches)
         if opts.json:
             return json.dumps(search_json(result, gpus=opts.gpus, gpu_name=request.gpu.name), indent=1)

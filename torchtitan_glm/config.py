@@ -755,6 +755,14 @@ def _from_cli(text: str, tp: Any, key: str) -> Any:
     inner = _optional_inner(tp)
     if inner is not None:
         return None if text.strip().lower() in ("", "none", "null") else _from_cli(text, inner, key)
+    if tp not in (bool, int, float, str) and text.strip().startswith("["):  # a TOML array: ["kda", "mhc"]
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(key, f"expected a TOML array of strings or comma-separated strings, got {text!r} "
+                                   f"({e})") from None
+        _check_type(value, tp, key)
+        return value
     try:
         if tp is bool:
             lowered = text.strip().lower()

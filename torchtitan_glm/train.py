@@ -498,7 +498,8 @@ class Trainer:
                     f"cannot resume from {path}: {'; '.join(mismatches[:4])}"
                     + (f" (and {len(mismatches) - 4} more)" if len(mismatches) > 4 else "")
                     + "; an exact resume needs the same values: set them back, or start fresh with a new "
-                    "--job.dump_folder")
+                    f"--job.dump_folder (--checkpoint.initial_load_path {path} starts it from these weights, with "
+                    "fresh optimizer state)")
         if cfg.training.steps < step:
             raise CheckpointError(
                 f"training.steps={cfg.training.steps} is below the step of the checkpoint to resume, {path}: "

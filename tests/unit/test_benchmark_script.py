@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -134,6 +135,17 @@ def test_benchmark_against_transformers_refuses_train_scope():
     assert proc.returncode == 2 and "--against transformers compares the reference scope" in proc.stderr
 
 
+@pytest.mark.parametrize("args,named", [
+    (("--runs", "eager:foo"), "--runs"), (("--runs", "eager"), "--runs"), (("--runs", "eager:none:fp16"), "--runs"),
+    (("--seq-len", "4k"), "--seq-len"), (("--moe-chunk-tokens", "-3"), "--moe-chunk-tokens"),
+    (("--recompute-modules", "kda", "--runs", "eager:none"), "--recompute-modules"),
+    (("--offload-inputs", "--runs", "eager:selective"), "--offload-inputs"),
+])
+def test_benchmark_bad_arguments_exit_2_naming_the_option(args, named):
+    proc = _run("scripts/benchmark.py", "--flavor", "debug", *args, timeout=120)
+    assert proc.returncode == 2 and named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
 def test_bench_kda_variants_run_on_cpu(monkeypatch):
     """bench_kda.py's closures other than FLA's (CUDA only), once each on CPU on the debug flavor: the blocks and
     their parts (the GEMMs, our KDA op). The parts' GEMMs are the block's own projections."""
@@ -166,3 +178,21 @@ def test_bench_mhc_variants_run_on_cpu(monkeypatch):
     assert len(fns) == 4
     for fn in fns.values():
         fn()
+
+
+def test_cpu_peak_counts_temporaries_inside_custom_ops():
+    # The project's custom ops run below the dispatch mode; their temporaries must still count (a 64 MiB one here).
+    sys.path.insert(0, str(REPO / "scripts"))
+    from benchmark import CpuPeak
+
+    @torch.library.custom_op("torchtitan_glm::_cpu_peak_probe", mutates_args=())
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        tmp = torch.ones(16 << 20)  # 64 MiB, freed before the op returns
+        return x + tmp[:1]
+
+    x = torch.ones(4)
+    meter = CpuPeak([x])
+    with meter:
+        y = probe(x)
+    assert torch.equal(y, x + 1)
+    assert 64 << 20 <= meter.peak_bytes - x.untyped_storage().nbytes() < (64 << 20) + 4096

@@ -227,3 +227,15 @@ def test_hf_dir_that_is_not_glm5_next_says_so(tmp_path):
     assert "model_type 'llama': this is not a glm5_next checkpoint" in str(info.value)
     (tmp_path / "config.json").write_text('{"model_type": "glm5_next_text"}')
     assert load_config([f"--checkpoint.initial_load_path={tmp_path}", "--checkpoint.initial_load_in_hf"])
+
+
+def test_cli_list_takes_commas_or_a_toml_array():
+    for text in ('kda,mhc', '["kda", "mhc"]', "['kda','mhc']"):
+        cfg = load_config(["--activation_checkpoint.mode", "selective", "--activation_checkpoint.recompute_modules",
+                           text])
+        assert cfg.activation_checkpoint.recompute_modules == ["kda", "mhc"], text
+    assert load_config(["--float8.keep_bf16", "[]"]).float8.keep_bf16 == []
+    for bad in ('["kda", 3]', '["kda"'):
+        with pytest.raises(ConfigError) as info:
+            load_config(["--activation_checkpoint.recompute_modules", bad])
+        assert info.value.key == "activation_checkpoint.recompute_modules", info.value

@@ -59,6 +59,16 @@ def test_script_exits_2_with_the_message(monkeypatch):
     assert res.stderr.strip().endswith(f"error: {_trainer_error([*DEBUG, *layout], 2, monkeypatch)}")
 
 
+@pytest.mark.parametrize("opts,message", [(["--gpus", "0"], "--gpus must be >= 1"),
+                                          (["--gpus", "2", "--search", "--top", "0"], "--top must be >= 1"),
+                                          (["--gpus", "2", "--search", "--local-batch", "two"], "--local-batch")])
+def test_bad_planner_options_are_named(opts, message):
+    from torchtitan_glm.planner import PlanError
+
+    with pytest.raises(PlanError, match=message):
+        run([*DEBUG, *opts])
+
+
 def _check(obj: dict, fields: dict) -> None:
     assert set(obj) == set(fields), set(obj) ^ set(fields)
     for key, (types, _) in fields.items():
@@ -268,3 +278,18 @@ def test_optimizer_state_follows_optimizer_name(name):
     with pytest.raises(PlanError, match="optimizer.cpu_offload"):
         offload = (*argv[:2], "--optimizer.name", "AdamW", "--optimizer.cpu_offload", "true")
         build_inventory(load_request(Request(offload, 1, H200))[0], scope="train")
+
+
+def test_recompute_modules_move_the_plan():
+    # Each label drops saved outputs (checked against captures in test_planner_activations.py) and costs its
+    # forward once more: the plan keeps less and takes longer; without the key, no recompute term.
+    base = ["--config", "train_configs/glm5_3_flash_proxy.toml", "--gpus", "1", "--activation_checkpoint.mode",
+            "selective", "--json"]
+    plain = json.loads(run(base))
+    assert "recompute_modules" not in plain["time"]["compute_s"]
+    for labels in ("kda", "kda,mhc,indexer,mla_up_proj,sparse_attn,moe,mlp"):
+        more = json.loads(run(base + ["--activation_checkpoint.recompute_modules", labels]))
+        assert more["time"]["compute_s"]["recompute_modules"] > 0
+        assert more["time"]["tokens_per_s"] < plain["time"]["tokens_per_s"]
+        assert more["memory"]["reserved_gib"] < plain["memory"]["reserved_gib"], labels
+        assert sum(more["memory"]["activation_terms_gib"].values()) < sum(plain["memory"]["activation_terms_gib"].values())

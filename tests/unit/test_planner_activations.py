@@ -60,7 +60,8 @@ class _Capture(nn.Module):
             return self.inner(*args, **kwargs)
 
 
-def captured_model(mode: str, ac: str) -> tuple[Glm5Model, dict[str, dict[int, int]], torch.Tensor, torch.Tensor]:
+def captured_model(mode: str, ac: str, recompute: tuple[str, ...] = ()
+                   ) -> tuple[Glm5Model, dict[str, dict[int, int]], torch.Tensor, torch.Tensor]:
     """The small model (BF16 weights) with each block of KINDS wrapped for `ac`, compiled if `mode` says so, and
     captured; its sinks (storage -> bytes per block) and one row of tokens and labels (one document)."""
     args = get_flavor("debug").replace(**WIDTHS)
@@ -71,7 +72,7 @@ def captured_model(mode: str, ac: str) -> tuple[Glm5Model, dict[str, dict[int, i
     for name in KINDS:
         parent, _, attr = name.rpartition(".")
         holder = model.get_submodule(parent) if parent else model
-        block = wrap_block(holder[attr] if parent else getattr(holder, attr), mode=ac)
+        block = wrap_block(holder[attr] if parent else getattr(holder, attr), mode=ac, recompute_modules=recompute)
         if mode == "compiled":
             block.compile(backend=_partition_only_backend(), fullgraph=True)
         wrapped = _Capture(block, ptrs, sinks[name])
@@ -85,18 +86,20 @@ def captured_model(mode: str, ac: str) -> tuple[Glm5Model, dict[str, dict[int, i
     return model, sinks, tokens, labels
 
 
-def measured_saved(mode: str, ac: str, *, sparse_kl: bool = False) -> dict[str, int]:
+def measured_saved(mode: str, ac: str, *, sparse_kl: bool = False, recompute: tuple[str, ...] = ()) -> dict[str, int]:
     """Bytes each captured block keeps, for one training step of the small model."""
-    model, sinks, tokens, labels = captured_model(mode, ac)
+    torch._dynamo.reset()  # every call compiles the same wrapper code again: no recompile limit across calls
+    model, sinks, tokens, labels = captured_model(mode, ac, recompute)
     out = model(tokens, labels, doc_ids=torch.zeros_like(tokens), token_scale=1.0 / SEQ, mtp_scale=0.1 / SEQ,
                 indexer_kl="sparse" if sparse_kl else "dense")
     (out.loss + indexer_kl_loss(out.indexer_stats)).backward()
     return {name: sum(s.values()) for name, s in sinks.items()}
 
 
-def planned_saved(regime: str) -> dict[str, float]:
+def planned_saved(regime: str, recompute: tuple[str, ...] = ()) -> dict[str, float]:
     args = get_flavor("debug").replace(**WIDTHS)
-    ctx = ActContext(args=args, batch=1, seq=SEQ, keys=SEQ, act=2, device="cpu", fp32_params=False)
+    ctx = ActContext(args=args, batch=1, seq=SEQ, keys=SEQ, act=2, device="cpu", fp32_params=False,
+                     recompute=recompute)
     return {name: sum(saved(kind, regime, ctx).values()) for name, kind in KINDS.items()}
 
 
@@ -117,3 +120,15 @@ def test_eager_inventories_match_saved_tensors():
                                        pytest.param("full", "full", marks=pytest.mark.slow)])
 def test_compiled_inventories_match_saved_tensors(ac, regime):  # 30-70 s each on 2 CPU cores (tracing, no codegen)
     _compare(measured_saved("compiled", ac), planned_saved(regime))
+
+
+def test_compiled_inventories_with_every_recompute_module():  # ~16 s: one compile of the selective blocks
+    every = ("kda", "mhc", "indexer", "mla_up_proj", "sparse_attn", "moe", "mlp")
+    measured, planned = measured_saved("compiled", "selective", recompute=every), planned_saved("selective", every)
+    _compare(measured, planned)
+    assert all(planned[n] < planned_saved("selective")[n] for n in planned)  # each block keeps less
+
+
+@pytest.mark.parametrize("label", ["kda", "mhc", "indexer", "mla_up_proj", "sparse_attn", "moe", "mlp"])
+def test_compiled_inventories_with_one_recompute_module(label):  # ~16 s each: which terms each label drops
+    _compare(measured_saved("compiled", "selective", recompute=(label,)), planned_saved("selective", (label,)))

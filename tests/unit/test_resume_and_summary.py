@@ -28,6 +28,8 @@ def test_resume_mismatches_name_the_key_and_both_values():
     assert changed[0] == "model.flavor was 'debug', is 'glm5_3_flash_proxy'"
     assert "model.hidden_size was 64, is 4096" in changed
     assert resume_mismatches(saved, _info("--model.vocab_size", "1024")) == ["model.vocab_size was 512, is 1024"]
+    assert resume_mismatches(saved, _info("--optimizer.name", "AdamW8bit")) == [
+        "optimizer.name was 'AdamW', is 'AdamW8bit'"]
 
 
 def test_schedule_note_says_what_the_resumed_scheduler_does():
@@ -88,8 +90,9 @@ def test_startup_summary_counts_this_ranks_state():
     text = startup_summary(cfg=cfg, args=model.args, model=model, world=2, dp_size=2, device=torch.device("cpu"),
                            resume="fresh start")
     rows = dict(re.findall(r"^  (\S+(?: \S+)?)\s{2,}(.+)$", text, flags=re.M))
-    assert set(rows) == {"model", "parameters", "layout", "precision", "memory/rank", "loss buffers", "tokens/step",
-                         "steps", "dump folder", "tensorboard", "checkpoints", "resume"}
+    assert set(rows) == {"model", "parameters", "layout", "precision", "compute", "memory/rank", "loss buffers",
+                         "tokens/step", "steps", "dump folder", "tensorboard", "checkpoints", "resume"}
+    assert rows["compute"] == "eager (compile.enable false); activation checkpointing " + cfg.activation_checkpoint.mode
     assert rows["tokens/step"].startswith("768 ")  # 128 x 3 x 2
     assert "(AdamW; sharded state)" in rows["memory/rank"]
     # 384 rows x 2 (trunk + MTP) = 768 <= loss.ce_chunk_size 1024: one chunk, no FP32 [vocab, D] buffer
@@ -171,3 +174,13 @@ def test_planned_rows_are_the_planners_and_never_stop_the_run():
                            resume="fresh start", planned=row, planned_speed=speed)
     rows = dict(re.findall(r"^  (\S+(?: \S+)?)\s{2,}(.+)$", text, flags=re.M))
     assert rows["planned peak"] == row and rows["planned speed"] == speed
+
+
+def test_compute_line_names_compile_and_the_ac_choices():
+    from torchtitan_glm.components.logs import compute_line
+
+    cfg = load_config(["--compile.enable", "true", "--activation_checkpoint.mode", "selective",
+                       "--activation_checkpoint.recompute_modules", "kda,mhc",
+                       "--activation_checkpoint.moe_chunk_tokens", "8192"])
+    assert compute_line(cfg) == ("torch.compile inductor (model, loss); activation checkpointing selective, "
+                                 "recompute_modules kda, mhc, routed experts in checkpointed chunks of 8,192 tokens")

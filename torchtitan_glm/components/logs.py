@@ -133,6 +133,20 @@ def _model_line(cfg: Any, args: Any) -> str:
             f"{args.num_experts_per_tok}), MTP {args.num_nextn_predict_layers}, vocab {args.vocab_size}")
 
 
+def compute_line(cfg: Any) -> str:
+    """torch.compile and activation checkpointing as configured: what sets the step's speed and activation memory."""
+    c, ac = cfg.compile, cfg.activation_checkpoint
+    compiled = f"torch.compile {c.backend} ({', '.join(c.components)})" if c.enable else "eager (compile.enable false)"
+    parts = [f"activation checkpointing {ac.mode}"]
+    if ac.recompute_modules:
+        parts.append(f"recompute_modules {', '.join(ac.recompute_modules)}")
+    if ac.moe_chunk_tokens:
+        parts.append(f"routed experts in checkpointed chunks of {ac.moe_chunk_tokens:,} tokens")
+    if ac.offload_inputs:
+        parts.append("saved block inputs in pinned host memory")
+    return f"{compiled}; " + ", ".join(parts)
+
+
 def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_size: int, device: torch.device,
                     resume: str, layout: str = "", device_bytes: int | None = None, host_pinned: int = 0,
                     planned: str | None = None, planned_speed: str | None = None) -> str:
@@ -166,6 +180,7 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
         ("parameters", f"{format_count(counts.total)} total, {format_count(counts.active)} active per token"),
         ("layout", f"{world} rank(s), {backend} on {device.type}: " + (layout or f"FSDP2 data_parallel_shard={dp_size}")),
         ("precision", precision_line(cfg.training, cfg.float8)),
+        ("compute", compute_line(cfg)),
         ("memory/rank", f"params {format_bytes(mem['params'])}, grads {format_bytes(mem['grads'])}, optimizer "
                         f"{format_bytes(mem['optimizer'])} ({opt.name}; sharded state{where}); activations not "
                         "included"),

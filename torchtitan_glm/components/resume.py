@@ -30,6 +30,9 @@ def _exact_keys(info: dict[str, Any]) -> dict[str, Any]:
     """The settings an exact resume needs unchanged, by the name a user knows them."""
     cfg = info.get("config", {})
     out = {"training.seq_len": cfg.get("training", {}).get("seq_len"),
+           # each implementation has its own state layout (AdamW8bit's quantised moments, tensor lr): none loads
+           # into another
+           "optimizer.name": cfg.get("optimizer", {}).get("name"),
            "model.flavor": cfg.get("model", {}).get("flavor"),
            "model.hf_config": cfg.get("model", {}).get("hf_config"),
            "tokenizer vocabulary size (data.tokenizer)": info.get("tokenizer_vocab_size")}

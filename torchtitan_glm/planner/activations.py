@@ -3,7 +3,8 @@ set that exists only while the block runs.
 
 Regimes: `eager` (no AC, eager autograd), `compiled` (no AC, inductor's min-cut partition of each compiled block),
 `selective` (activation_checkpoint.py's policy: outputs of matmuls, attention and the KDA kernel are saved, the rest is
-recomputed; the same eager or compiled) and `full` (only the block's inputs are saved).
+recomputed; the same eager or compiled; `ActContext.recompute`, activation_checkpoint.recompute_modules, drops the
+listed parts' saved outputs too) and `full` (only the block's inputs are saved).
 
 The inventories below were read off the blocks' code and checked against the tensors autograd really saves, block by
 block, on CPU (tests/unit/test_planner_activations.py measures them with saved-tensor hooks, eager and inductor-
@@ -48,6 +49,10 @@ class ActContext:
     offload_inputs: bool = False  # activation_checkpoint.offload_inputs: full AC's saved inputs in host memory
     compiled: bool = True  # the blocks are compiled: under AC what a block holds while it runs is its compiled
     # inventory, in eager its eager one
+    recompute: tuple[str, ...] = ()  # activation_checkpoint.recompute_modules (selective): labels not kept
+
+    def recomputes(self, label: str) -> bool:
+        return label in self.recompute
 
     @property
     def running(self) -> str:
@@ -100,7 +105,8 @@ def _mhc_site(t: _Terms, regime: str, *, first: bool) -> None:
     if regime == "full":
         return
     if regime == "selective":
-        t.tok("mhc", 4 * width)  # the fn matmul's FP32 output
+        if not c.recomputes("mhc"):
+            t.tok("mhc", 4 * width)  # the fn matmul's FP32 output
         return
     if first or regime != "compiled":
         t.tok("streams", n * d * a)  # the site's input streams
@@ -134,7 +140,7 @@ def _kda(t: _Terms, regime: str) -> None:
     d, h, k, w = c.args.hidden_size, c.args.linear_num_heads, c.args.linear_head_dim, c.args.linear_conv_kernel_dim
     hk = h * k
     residuals = 2 * h * FLA_CHUNK * a if c.device == "cuda" else 0
-    if regime == "full":
+    if regime == "full" or (regime == "selective" and c.recomputes("kda")):  # recompute "kda": only its input
         return
     if residuals:  # selective AC saves the KDA op's outputs (kda_fwd, and kda_cp_fwd under CP)
         t.tok("kda_fla_residuals", residuals, heads=True)
@@ -210,12 +216,19 @@ def _dsa(t: _Terms, regime: str, *, indexer: bool) -> None:
         else:
             t.tok(name, per_token_copies * kvl * a)
     if regime == "selective":  # matmul/bmm outputs and the custom ops' outputs (not recomputable)
+        # recompute_modules: mla_up_proj drops q_b (and the dense kernel's kv_b), sparse_attn the attention op's
+        # output and lse, indexer everything the indexer keeps (one int64 [B, T] index stays for its recompute)
+        up, attn = not c.recomputes("mla_up_proj"), not c.recomputes("sparse_attn")
         t.tok("mla", (ql + kvl + d) * a)  # q_a, kv_a, o_proj (under CP the gathers are recomputed in the backward)
-        t.tok("mla", h * dqk * a, heads=True)  # q_b
-        if not dense_kernel:
-            t.tok("attention", 2 * h * kvl * a + h * dv * a + 4 * h, heads=True)  # absorbed q, output; w_uv; lse
-        else:
-            t.tok("attention", (h * (dqk + dv) + h * dv) * a + 4 * h, heads=True)  # kv_b, SDPA output, lse
+        t.tok("mla", h * dqk * a * up, heads=True)  # q_b
+        if not dense_kernel:  # absorbed q, w_uv; the output and lse
+            t.tok("attention", h * kvl * a + h * dv * a + (h * kvl * a + 4 * h) * attn, heads=True)
+        else:  # kv_b; the SDPA output and lse
+            t.tok("attention", h * (dqk + dv) * a * up + (h * dv * a + 4 * h) * attn, heads=True)
+        if c.recomputes("indexer"):
+            if (sparse and indexer) or kl:
+                t.tok("indexer", 8)
+            return
         if sparse and indexer:
             t.tok("indexer", 8 * k_pools)  # the selected pool ids
         if kl:
@@ -261,7 +274,7 @@ def _dsa(t: _Terms, regime: str, *, indexer: bool) -> None:
 
 def _dense_mlp(t: _Terms, regime: str, width: int, name: str) -> None:
     a, d = t.ctx.act, t.ctx.args.hidden_size
-    if regime == "full":
+    if regime == "full" or (regime == "selective" and name == "mlp" and t.ctx.recomputes("mlp")):
         return
     if regime == "selective":
         t.tok(name, 2 * width * a, heads=True)  # gate, up outputs
@@ -278,7 +291,7 @@ def _moe(t: _Terms, regime: str) -> None:
     args = c.args
     d, e, k, ie = args.hidden_size, args.n_routed_experts, args.num_experts_per_tok, args.moe_intermediate_size
     shared = ie * args.n_shared_experts
-    if regime == "full":
+    if regime == "full" or (regime == "selective" and c.recomputes("moe")):
         return
     if regime == "selective":  # router matmul, shared expert GEMMs; the grouped GEMMs are recomputed
         t.tok("router", 4 * e)
@@ -337,8 +350,8 @@ def saved(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bool = Fal
         return t.out
     if regime == "selective":
         t.tok("inputs", n * d * a + ints)
-        if not ctx.compiled:  # eager: the attention site's merge matmul (bmm) output; compiled it is pointwise
-            t.tok("streams", n * d * a)
+        if not ctx.compiled and not ctx.recomputes("mhc"):  # eager: the attention site's merge matmul (bmm)
+            t.tok("streams", n * d * a)  # output; compiled it is pointwise
     elif regime == "compiled":
         t.tok("norms", d * a)  # the attention site's collapsed input
     for site in range(2):

@@ -232,6 +232,7 @@ def plan_layout(request: Request, cfg: JobConfig, inv: ModelInventory, layout: L
                      sparse_kl=cfg.loss.indexer_sparse_loss, cp=layout.cp,
                      moe_chunk=cfg.activation_checkpoint.moe_chunk_tokens,
                      offload_inputs=cfg.activation_checkpoint.offload_inputs and regime == "full",
+                     recompute=tuple(cfg.activation_checkpoint.recompute_modules) if regime == "selective" else (),
                      compiled=cfg.compile.enable and "model" in cfg.compile.components)
     compiled_loss = cfg.compile.enable and "loss" in cfg.compile.components
     try:

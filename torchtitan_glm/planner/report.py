@@ -33,7 +33,10 @@ def plan_text(p: Plan) -> str:
         f"step: seq_len {cfg.training.seq_len} x local batch {cfg.training.local_batch_size} x dp {p.layout.dp}"
         + (f" x {t.micro} microbatches" if t.micro > 1 else "")
         + f" = {t.tokens_per_step:,} tokens (each row over cp={p.layout.cp} ranks); AC "
-        f"{cfg.activation_checkpoint.mode} ({p.regime}); {p.float8_line}",
+        f"{cfg.activation_checkpoint.mode} ({p.regime}"
+        + (f", recompute_modules {','.join(cfg.activation_checkpoint.recompute_modules)}"
+           if p.regime == "selective" and cfg.activation_checkpoint.recompute_modules else "")
+        + f"); {p.float8_line}",
         f"memory per GPU: peak {_gib(m.peak)} GiB allocated ({m.peak_at}), reserve estimate {_gib(m.reserved)} GiB "
         f"({m.reserved_at}); budget {_gib(budget)} of {_gib(r.gpu.memory_bytes)} GiB -> {fit}",
         f"  at the peak (GiB): {_row(m.breakdown, _gib)}",

@@ -9,6 +9,8 @@ Compute terms (FLOPs from the trainer's own counts, times from measured rates, h
   tokens (an assumed rate: the Triton kernel has not been timed on the H200), or in the dense warm-up masked SDPA
   over every key (measured cuDNN rate); the indexer's tiled top-k and KL (scores, their gradients and the KL target's
   logits) run in FP32 at the measured FP32 rate.
+- activation_checkpoint.recompute_modules (selective): the listed parts' forward once more in the backward, at
+  the same rates (`recompute_modules` term).
 - Memory-bound work (mHC, norms, gates, convs, routing) that no FLOP count sees: a time per token and block, the
   residual of the measured proxy benchmark after the terms above (hardware.GpuSpec.elementwise_s_per_token_block).
 - train.py's own work (scope "train"): the optimizer step at its measured time per trainable element (AdamW8bit;
@@ -134,6 +136,10 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
         else:
             kl = 6.0 * tokens * ih * idim * pools / 2 + 2.0 * tokens * seq / 2 * h * kvl
     out["indexer_fp32"] = n_idx * (topk + kl) * (1 + recompute_fwd) / gpu.gemm_fp32
+    if regime == "selective" and ctx.recompute:
+        out["recompute_modules"] = _recompute_seconds(
+            args, ctx, gpu, layers=layers, dense_rate=dense_rate, attn=out["dsa_attention"] / 3.5 if dsa else 0.0,
+            indexer=(topk + kl) * n_idx / gpu.gemm_fp32)
     # an eager run under AC (ctx.compiled false) pays eager's elementwise launches, in the forward and the recompute
     rate = regime if ctx.compiled or regime in ("compiled", "eager") else f"eager_{regime}"
     out["elementwise"] = gpu.elementwise_s_per_token_block[rate] * tokens * len(layers)
@@ -142,6 +148,46 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
         out["optimizer"] = optimizer_seconds(inv.optimizer, local_trainable_elements(inv, layout), gpu)
         out["fsdp_copies"] = fsdp_copy_seconds(inv, layout, gpu, with_mtp=with_mtp, micro=micro)
     return out
+
+
+def _recompute_seconds(args, ctx: ActContext, gpu: GpuSpec, *, layers: list, dense_rate: float, attn: float,
+                       indexer: float) -> float:
+    """Seconds the forward of the recompute_modules parts takes again in the backward (one microbatch): their GEMMs
+    at the dense rate, the KDA kernel's forward, the attention's forward (`attn`) and the indexer's tiled ops
+    (`indexer`, the whole op: its KL forms its gradients in the forward)."""
+    tokens, tp = ctx.tokens, ctx.tp
+    d, n = args.hidden_size, args.hc_mult
+    kinds = [u.kind for u in layers]
+    n_kda = sum(k.startswith("kda") for k in kinds)
+    n_dsa = sum("dsa" in k or k == "mtp" for k in kinds)
+    n_moe = sum(k.endswith("moe") or k == "mtp" for k in kinds)
+    n_dense = sum(k.endswith("dense") for k in kinds)
+    gemm = 0.0  # forward FLOPs of the recomputed projections
+    seconds = 0.0
+    if ctx.recomputes("kda"):
+        h, k = args.linear_num_heads, args.linear_head_dim
+        hk = h * k
+        gemm += n_kda * 2 * (4 * d * hk / tp + 2 * k * hk / tp + 2 * d * k + d * h / tp)
+        seconds += n_kda * tokens * h / tp * gpu.kda_fwd_s_per_token_head
+    if ctx.recomputes("mla_up_proj"):
+        h = args.num_attention_heads
+        up = args.q_lora_rank * h * args.qk_head_dim
+        if args.dense_dsa_kernel(ctx.keys):
+            up += args.kv_lora_rank * h * (args.qk_head_dim + args.v_head_dim)
+        gemm += n_dsa * 2 * up / tp
+    if ctx.recomputes("sparse_attn"):
+        seconds += attn
+    if ctx.recomputes("indexer"):
+        ih, idim = args.index_n_heads, args.index_head_dim
+        gemm += n_dsa * 2 * (args.q_lora_rank * ih * idim + d * idim + d * ih)
+        seconds += indexer
+    if ctx.recomputes("moe"):
+        gemm += n_moe * 2 * (3 * d * args.moe_intermediate_size * args.n_shared_experts / tp + d * args.n_routed_experts)
+    if ctx.recomputes("mlp"):
+        gemm += n_dense * 2 * 3 * d * args.intermediate_size / tp
+    if ctx.recomputes("mhc"):  # the maps' FP32 projection, two sites per layer
+        seconds += len(kinds) * 2 * 2 * n * d * (2 + n) * n * tokens / gpu.gemm_fp32
+    return seconds + gemm * tokens / dense_rate
 
 
 def plan_time(inv: ModelInventory, layout: Layout, gpu: GpuSpec, ctx: ActContext, *, regime: str, with_mtp: bool,
