@@ -930,6 +930,8 @@ def main_guard(fn: Callable[..., T]) -> Callable[..., T]:
     """Wrap an entry point: a ConfigError prints one line to stderr and exits with code 2.
 
     Call load_config first thing inside `fn`, before any process group starts, so every rank fails the same way.
+    Under torchrun only each host's first process (LOCAL_RANK 0) prints the line, once per host rather than once per
+    rank; every process exits 2.
     """
 
     @functools.wraps(fn)
@@ -937,8 +939,9 @@ def main_guard(fn: Callable[..., T]) -> Callable[..., T]:
         try:
             return fn(*args, **kwargs)
         except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.stderr.flush()
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                print(f"error: {e}", file=sys.stderr)
+                sys.stderr.flush()
         raise SystemExit(2)
 
     return wrapper

@@ -26,6 +26,7 @@ from torchtitan_glm.components.metrics import (
     DeviceMemoryMonitor, build_metrics_logger, flops_per_token, format_step_line, get_peak_flops, throughput,
 )
 from torchtitan_glm.components.optimizer import build_optimizer, clip_grad_norm_
+from torchtitan_glm.components.outputs import check_output_folders
 from torchtitan_glm.components.profiling import StepProfiler
 from torchtitan_glm.components.resume import layout_note, precision_note, resume_mismatches, run_info, schedule_note
 from torchtitan_glm.components.signals import StopRequest
@@ -603,6 +604,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = load_config(argv)  # ConfigError -> exit 2 before any process group starts
     check_layout(cfg)  # the same for the parallel layout against the world size and the model
+    check_output_folders(cfg)  # and for the folders it will write into
     init_logging(rank=int(os.environ.get("RANK", 0)))
     if torch.cuda.is_available():
         logger.info("CUDA allocator: %s", alloc)

@@ -205,3 +205,11 @@ def test_dense_warmup_trains_only_the_indexer(tmp_path):
     indexer = {name for name in original if ".indexer." in name}
     assert moved and moved <= indexer, f"non-indexer tensors changed: {sorted(moved - indexer)[:5]}"
     assert any("wq_b" in n for n in moved) and any("weights_proj" in n for n in moved)
+
+
+def test_config_error_under_torchrun_is_printed_once_per_host(tmp_path):
+    res = _torchrun(["--config", "train_configs/debug_model.toml", f"--job.dump_folder={tmp_path}",
+                     "--optimizer.name", "NoSuchOptimizer"], nproc=2, timeout=120)
+    assert res.returncode != 0
+    assert res.stderr.count("error: config error at `optimizer.name`") == 1, res.stderr[-3000:]
+    assert "exitcode:2" in res.stderr.replace(" ", ""), res.stderr[-3000:]  # torchrun reports the worker's 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -9,6 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from torchtitan_glm.config import CheckpointConfig
@@ -355,3 +357,25 @@ def test_keep_latest_k_never_prunes_newer_checkpoints(tmp_path):
     mgr2 = _manager(tmp_path, again, _Cfg(keep_latest_k=1, load_step=2))
     assert mgr2.load() == 2
     assert mgr2.save(3) and list_checkpoints(root) == [3, 4, 6]
+
+
+class _FullDiskWriter(dcp.FileSystemWriter):
+    """Writes the first files, then fails as a full disk does (ENOSPC), as FileSystemWriter would report it."""
+
+    def write_data(self, plan, planner):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_a_failed_save_is_one_line_and_leaves_no_partial_folder(tmp_path, monkeypatch, async_mode):
+    parts = _build(0)
+    ck = _manager(tmp_path, parts, _Cfg(interval=2, async_mode=async_mode))
+    assert ck.save(2, force=True)  # a good checkpoint first
+    monkeypatch.setattr(CheckpointManager, "_storage_writer", lambda self, path: _FullDiskWriter(path))
+    with pytest.raises(CheckpointError) as info:
+        ck.save(4)
+        ck.close()  # an async save reports at the wait
+    text = str(info.value)
+    assert "\n" not in text and "No space left on device" in text and "step-4.tmp" in text, text
+    assert f"the newest complete checkpoint is {step_dir(ck.root, 2)}" in text
+    assert not os.path.exists(step_dir(ck.root, 4) + ".tmp") and list_checkpoints(ck.root) == [2]

@@ -267,13 +267,19 @@ class CheckpointManager:
                 self._on_rank0(self._remove_stale_tmp)
                 self._train_state.step = step
                 start = time.perf_counter()
-                if self.cfg.async_mode == "async" and not (last or force):
-                    future = dcp.async_save(self.states, checkpoint_id=tmp, storage_writer=self._storage_writer(tmp),
-                                            **self._dcp_kw)
-                    self._pending = (future, step, start, time.perf_counter() - start)
-                else:
-                    dcp.save(self.states, checkpoint_id=tmp, storage_writer=self._storage_writer(tmp), **self._dcp_kw)
-                    self._commit(step, start, None)
+                try:
+                    if self.cfg.async_mode == "async" and not (last or force):
+                        future = dcp.async_save(self.states, checkpoint_id=tmp,
+                                                storage_writer=self._storage_writer(tmp), **self._dcp_kw)
+                        self._pending = (future, step, start, time.perf_counter() - start)
+                    else:
+                        dcp.save(self.states, checkpoint_id=tmp, storage_writer=self._storage_writer(tmp),
+                                 **self._dcp_kw)
+                        self._commit(step, start, None)
+                except CheckpointError:
+                    raise
+                except _ERRORS as e:
+                    raise self._save_failed(step, e) from e
                 self._last_saved_step = step
         if last and self.cfg.last_save_in_hf:
             out_dir = os.path.join(self.root, f"hf-step-{step}")
@@ -296,10 +302,23 @@ class CheckpointManager:
         self._pending = None
         try:
             future.result()
+            self._commit(step, start, blocking)
+        except CheckpointError:
+            raise
         except _ERRORS as e:
-            raise CheckpointError(f"async checkpoint save of step {step} into {step_dir(self.root, step)}.tmp "
-                                  f"failed: {e}") from e
-        self._commit(step, start, blocking)
+            raise self._save_failed(step, e, what="async checkpoint save") from e
+
+    def _save_failed(self, step: int, error: BaseException, *, what: str = "checkpoint save") -> CheckpointError:
+        """The one-line error of a failed save (full disk, unwritable folder, a rank's write error): rank 0 removes
+        the partial step-N.tmp, so it does not hold the disk until the next save; earlier checkpoints stay."""
+        tmp = step_dir(self.root, step) + ".tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        kept = [s for s in list_checkpoints(self.root) if s != step] if os.path.isdir(self.root) else []
+        newest = f"the newest complete checkpoint is {step_dir(self.root, kept[-1])}" if kept else \
+            "no complete checkpoint exists yet"
+        return CheckpointError(f"{what} of step {step} into {tmp} failed: {_reason(error)}; the partial folder was "
+                               f"removed and {newest}")
 
     def _check_finite(self, step: int) -> None:
         """NonFiniteError naming the tensors (any rank's) whose values are not all finite; collective."""
@@ -571,6 +590,17 @@ def _non_finite(names: list[str], tensors: list[torch.Tensor]) -> list[str]:
         return []
     ok = torch.stack([f.to(flags[0].device) for f in flags]).cpu().tolist()
     return [n for n, good in zip(kept, ok) if not good]
+
+
+def _reason(error: BaseException) -> str:
+    """The root cause of a save error in one line: DCP's CheckpointException carries each failed rank's
+    exception (and a traceback) in `failures`."""
+    if isinstance(error, dcp.CheckpointException) and error.failures:
+        rank, (exc, _) = min(error.failures.items())
+        return f"rank {rank}: {_reason(exc)}"
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.strerror} ({error.filename})" if error.filename else error.strerror
+    return f"{type(error).__name__}: {error}"
 
 
 def _write_json(path: str, obj: Any) -> None:

@@ -1,0 +1,60 @@
+"""The folders a run writes into are checked before anything is built: a file in the way, a folder that cannot be
+written, named by the config key (train.py exits 2 before training, instead of failing at the first save)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchtitan_glm.components.outputs import check_output_folders
+from torchtitan_glm.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cfg(dump, *extra):
+    return load_config(["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(dump), *extra])
+
+
+def test_writable_new_or_existing_folders_pass(tmp_path):
+    check_output_folders(_cfg(tmp_path / "new" / "deeper"))
+    check_output_folders(_cfg(tmp_path))
+    assert not (tmp_path / "new").exists()  # checking creates nothing
+
+
+@pytest.mark.parametrize("setup,key,words", [
+    (lambda d: (d / "afile").write_text("x") and d / "afile", "job.dump_folder", "is not a directory"),
+    (lambda d: (d / "afile").write_text("x") and d / "afile" / "sub", "job.dump_folder", "is a file"),
+    (lambda d: (d / "run").mkdir() or (d / "run" / "checkpoint").write_text("x") and d / "run", "checkpoint.folder",
+     "is not a directory"),
+    (lambda d: (d / "run").mkdir() or (d / "run" / "tb").write_text("x") and d / "run", "metrics.save_tb_folder",
+     "is not a directory"),
+])
+def test_a_file_in_the_way_is_named(tmp_path, setup, key, words):
+    dump = setup(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        check_output_folders(_cfg(dump, "--metrics.enable_tensorboard", "true"))
+    assert info.value.key == key and words in str(info.value), info.value
+
+
+def test_a_folder_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    # access(2) answers for permissions and for a read-only file system (EROFS) alike; stand in for both
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if Path(path) == ro else real(path, mode))
+    for dump, words in ((ro / "out", "cannot create"), (ro, "cannot write into")):
+        with pytest.raises(ConfigError) as info:
+            check_output_folders(_cfg(dump))
+        assert info.value.key == "job.dump_folder" and words in str(info.value), info.value
+
+
+def test_train_exits_2_before_training(tmp_path):
+    (tmp_path / "checkpoint").write_text("not a folder")
+    res = subprocess.run([sys.executable, "train.py", "--config", "train_configs/debug_model.toml",
+                          f"--job.dump_folder={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "checkpoint.folder" in res.stderr and "step 1" not in res.stdout, res.stderr[-2000:]

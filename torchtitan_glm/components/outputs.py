@@ -1,0 +1,47 @@
+"""The folders a run writes into, checked before anything is built: a dump folder that is a file, a read-only
+file system or a file where the checkpoint folder goes would otherwise surface at the first save, after a whole
+checkpoint interval of training is lost."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torchtitan_glm.config import ConfigError
+
+__all__ = ["check_output_folders"]
+
+
+def _folder_problem(path: str) -> str | None:
+    """Why `path` cannot become a folder this process writes into (None: it can), without creating anything."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return f"{path} exists and is not a directory"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"cannot write into {path} (no permission, or a read-only file system)"
+        return None
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"cannot create {path}: {parent} is a file"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot create {path} inside {parent} (no permission, or a read-only file system)"
+    return None
+
+
+def check_output_folders(cfg: Any) -> None:
+    """ConfigError naming the key whose folder (job.dump_folder, and under it the checkpoint, TensorBoard and
+    profiler folders the config turns on) cannot be created or written."""
+    root = cfg.job.dump_folder
+    folders = [("job.dump_folder", root)]
+    if cfg.checkpoint.enable:
+        folders.append(("checkpoint.folder", os.path.join(root, cfg.checkpoint.folder)))
+    if cfg.metrics.enable_tensorboard:
+        folders.append(("metrics.save_tb_folder", os.path.join(root, cfg.metrics.save_tb_folder)))
+    if cfg.profiling.enable:
+        folders.append(("profiling.trace_folder", os.path.join(root, cfg.profiling.trace_folder)))
+    for key, path in folders:
+        problem = _folder_problem(path)
+        if problem:
+            raise ConfigError(key, problem)
