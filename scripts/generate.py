@@ -65,9 +65,28 @@ def main(argv: list[str] | None = None) -> list[int]:
     p.add_argument("--print-ids", action="store_true", help="print the prompt and generated token ids at the end")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32", choices=DTYPES)
+    p.add_argument("--eos-id", type=int, default=None,
+                   help="stop at this token id (default: the tokenizer's end-of-text, if it has one)")
     a = p.parse_args(argv)
+    # checked before the model loads (generation.generate checks them too, but only after minutes on a big model)
+    if a.max_new_tokens < 0:
+        p.error(f"--max-new-tokens must be >= 0, got {a.max_new_tokens}")
+    if not (a.temperature >= 0 and a.temperature != float("inf")):
+        p.error(f"--temperature must be a finite number >= 0 (0 = greedy), got {a.temperature}")
+    if not 0 < a.top_p <= 1:
+        p.error(f"--top-p must be in (0, 1], got {a.top_p}")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {a.device}: no CUDA device is visible")
+    source = a.checkpoint or a.hf
+    if not os.path.exists(source):
+        p.error(f"{'--checkpoint' if a.checkpoint else '--hf'} {source} does not exist")
+    if a.tokenizer not in (None, "byte") and not os.path.isfile(a.tokenizer):
+        p.error(f"--tokenizer {a.tokenizer}: no such file (give 'byte' or a tokenizer.json path)")
     device = torch.device(a.device)
-    model, tok = load(a.checkpoint, a.hf, dtype=DTYPES[a.dtype], device=device, tokenizer=a.tokenizer)
+    try:
+        model, tok = load(a.checkpoint, a.hf, dtype=DTYPES[a.dtype], device=device, tokenizer=a.tokenizer)
+    except OSError as e:  # an unreadable or incomplete checkpoint folder, named by the loader
+        p.error(f"cannot load {source}: {e}")
     if a.prompt is not None:
         if tok is None:
             p.error("this checkpoint has no tokenizer: give --prompt-ids (or --tokenizer)")
@@ -82,7 +101,9 @@ def main(argv: list[str] | None = None) -> list[int]:
     bad = [i for i in ids if not 0 <= i < model.args.vocab_size]
     if bad:
         p.error(f"prompt ids {bad[:8]} are outside the model's vocabulary [0, {model.args.vocab_size})")
-    eos = None if a.ignore_eos or tok is None else tok.eos_id
+    if a.eos_id is not None and not 0 <= a.eos_id < model.args.vocab_size:
+        p.error(f"--eos-id {a.eos_id} is outside the model's vocabulary [0, {model.args.vocab_size})")
+    eos = None if a.ignore_eos else a.eos_id if a.eos_id is not None else tok.eos_id if tok is not None else None
     generated: list[int] = []
     shown = ""
 

@@ -68,6 +68,8 @@ def run(argv: list[str]) -> str:
             batches = tuple(int(b) for b in opts.local_batch.split(",")) if opts.local_batch else None
         except ValueError:
             raise PlanError(f"--local-batch: comma-separated integers, got {opts.local_batch!r}") from None
+        if batches is not None and min(batches) < 1:
+            raise PlanError(f"--local-batch: each local batch must be >= 1, got {opts.local_batch!r}")
         result = search(request, top=opts.top, regimes=regimes, local_batches=batches)
         if opts.json:
             return json.dumps(search_json(result, gpus=opts.gpus, gpu_name=request.gpu.name), indent=1)

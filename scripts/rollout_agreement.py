@@ -25,7 +25,8 @@ top1_agreement is the fraction of those positions where both paths' argmax token
 DSA layer, the mean over decoded queries of |A & B| / |A| with A, B the tokens of the pools each path selected
 (the query's own tail, identical by construction, left out).
 
-Prompts: --jsonl (one {"prompt": text or ids, "continuation": text or ids} per line; text needs a tokenizer) or the
+Prompts: --jsonl (one {"prompt": text or ids, "continuation": text or ids} per line; text needs a tokenizer;
+continuations of different lengths are cut to the shortest, since all rows decode together) or the
 embedded corpus (this Python's standard library, byte tokenizer), where prompt i has --prompt-len - (i % 4) tokens
 so prompts end at every offset within a pool.
 """
@@ -237,6 +238,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     unknown = [n for n in names if n not in PRECISIONS]
     if unknown or not names:
         p.error(f"--precisions: unknown {unknown}; choose from {list(PRECISIONS)}")
+    for flag, value in (("--num-sequences", a.num_sequences), ("--prompt-len", a.prompt_len),
+                        ("--continuation-len", a.continuation_len)):
+        if value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    if a.jsonl and not os.path.isfile(a.jsonl):
+        p.error(f"--jsonl {a.jsonl}: no such file")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {a.device}: no CUDA device is visible (use --device cpu)")
     device = torch.device(a.device)
     torch.manual_seed(a.seed)
     if a.hf or a.checkpoint:
@@ -260,14 +269,18 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
             tok = ByteTokenizer() if a.tokenizer == "byte" else HFTokenizer(a.tokenizer)
         seqs = jsonl_sequences(a.jsonl, tok)
+        if not seqs or min(len(pr) for pr, _ in seqs) < 1 or min(len(c) for _, c in seqs) < 1:
+            p.error(f"--jsonl {a.jsonl}: every line needs a non-empty prompt and continuation")
         if len({len(c) for _, c in seqs}) != 1:
             cut = min(len(c) for _, c in seqs)
+            print(f"rollout_agreement: continuations cut to the shortest, {cut} tokens (all rows decode together)",
+                  file=sys.stderr)
             seqs = [(pr, c[:cut]) for pr, c in seqs]  # one decode step per token, all rows together
     else:
         seqs = corpus_sequences(a.num_sequences, a.prompt_len, a.continuation_len, seed=a.seed)
-    too_big = [i for i, (pr, c) in enumerate(seqs) if max(pr + c) >= base.args.vocab_size]
-    if too_big:
-        raise SystemExit(f"sequences {too_big[:8]} hold token ids beyond the model's vocab_size {base.args.vocab_size}")
+    outside = [i for i, (pr, c) in enumerate(seqs) if not 0 <= min(pr + c) <= max(pr + c) < base.args.vocab_size]
+    if outside:
+        p.error(f"sequences {outside[:8]} hold token ids outside the model's vocabulary [0, {base.args.vocab_size})")
     result: dict[str, object] = {
         "model": label, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "sequences": len(seqs), "prompt_tokens": [len(pr) for pr, _ in seqs],

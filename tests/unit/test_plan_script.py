@@ -61,7 +61,8 @@ def test_script_exits_2_with_the_message(monkeypatch):
 
 @pytest.mark.parametrize("opts,message", [(["--gpus", "0"], "--gpus must be >= 1"),
                                           (["--gpus", "2", "--search", "--top", "0"], "--top must be >= 1"),
-                                          (["--gpus", "2", "--search", "--local-batch", "two"], "--local-batch")])
+                                          (["--gpus", "2", "--search", "--local-batch", "two"], "--local-batch"),
+                                          (["--gpus", "2", "--search", "--local-batch", "0,-1"], "--local-batch")])
 def test_bad_planner_options_are_named(opts, message):
     from torchtitan_glm.planner import PlanError
 

@@ -87,6 +87,32 @@ def test_generate_script_from_hf_with_ids_and_sampling(tmp_path, capsys):
     assert "no tokenizer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args,words", [
+    (["--temperature", "-1"], "--temperature"), (["--top-p", "0"], "--top-p"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens"), (["--tokenizer", "/nonexistent/tok.json"], "--tokenizer"),
+])
+def test_generate_script_refuses_bad_arguments_before_loading(tmp_path, capsys, args, words):
+    model = _debug_model()
+    save_pretrained(model, tmp_path / "hf")
+    with pytest.raises(SystemExit) as info:
+        _script("generate").main(["--hf", str(tmp_path / "hf"), "--prompt-ids", "5,17", *args])
+    assert info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_generate_script_names_a_missing_checkpoint_and_stops_at_eos_id(tmp_path, capsys):
+    for flag in ("--hf", "--checkpoint"):
+        with pytest.raises(SystemExit) as info:
+            _script("generate").main([flag, str(tmp_path / "nope"), "--prompt-ids", "5"])
+        assert info.value.code == 2 and "does not exist" in capsys.readouterr().err
+    model = _debug_model()
+    save_pretrained(model, tmp_path / "hf")
+    full = generate(model, torch.tensor([[5, 17, 300, 2]]), max_new_tokens=6)[0, 4:].tolist()
+    stop = full[2]
+    ids = _script("generate").main(["--hf", str(tmp_path / "hf"), "--prompt-ids", "5,17,300,2", "--max-new-tokens",
+                                    "6", "--eos-id", str(stop)])
+    assert ids[4:] == full[:full.index(stop) + 1]  # generation ends at the first eos, which it emits
+
+
 def test_rollout_agreement_script_json(tmp_path):
     """The report's documented fields; FP32 paths agree to rounding and select the same pools; serving's FP8
     indexer against an unemulated actor is a real perturbation (random weights of a useful size, from --hf)."""
@@ -122,3 +148,22 @@ def test_rollout_agreement_jsonl_input(tmp_path):
     with pytest.raises(SystemExit, match="seqs.jsonl:1"):
         _script("rollout_agreement").main(["--flavor", "debug", "--device", "cpu", "--precisions", "fp32",
                                            "--jsonl", str(path)])
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--num-sequences", "0"], "--num-sequences"), (["--continuation-len", "0"], "--continuation-len"),
+    (["--prompt-len", "-5"], "--prompt-len"), (["--jsonl", "/nonexistent/x.jsonl"], "--jsonl"),
+])
+def test_rollout_agreement_refuses_bad_arguments(capsys, args, words):
+    with pytest.raises(SystemExit) as info:
+        _script("rollout_agreement").main(["--flavor", "debug", "--device", "cpu", *args])
+    assert info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_rollout_agreement_names_ids_outside_the_vocabulary(tmp_path, capsys):
+    save_pretrained(_debug_model(), tmp_path / "hf")
+    lines = tmp_path / "seqs.jsonl"
+    lines.write_text('{"prompt": [1, 2, 3], "continuation": [6, 7]}\n{"prompt": [1, 2, -3], "continuation": [6, 7]}\n')
+    with pytest.raises(SystemExit) as info:
+        _script("rollout_agreement").main(["--hf", str(tmp_path / "hf"), "--device", "cpu", "--jsonl", str(lines)])
+    assert info.value.code == 2 and "sequences [1]" in capsys.readouterr().err
