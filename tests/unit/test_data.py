@@ -396,3 +396,22 @@ def test_bin_errors_name_file(tmp_path):
     write_bin(tmp_path / "small.bin", 10, "uint16")
     with pytest.raises(ValueError, match="small.bin"):
         make_loader(DataConfig(source="bin", paths=[str(tmp_path / "small.bin")]), seq_len=16)
+
+
+def test_a_jsonl_file_changed_under_a_running_job_is_named_as_changed(tmp_path):
+    from torchtitan_glm.components.data import _JsonlCorpus
+
+    path = write_jsonl(tmp_path / "d.jsonl", ["first document", "second document", "third document"])
+    corpus = _JsonlCorpus([path], "text")
+    assert corpus.read(2) == "third document"
+    with open(path, "w") as f:  # rewritten shorter: the indexed offsets now land inside other lines
+        f.write(json.dumps({"text": "a much longer first document than before"}) + "\n")
+    with pytest.raises(DataError, match="changed since the run started"):
+        corpus.read(1)
+    # a bad line in an unchanged file is still reported as a bad line
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n')
+    corpus = _JsonlCorpus([str(bad)], "text")
+    corpus._offset[0] = 3  # reads from inside the line, as a stale index would
+    with pytest.raises(DataError, match="invalid JSON"):
+        corpus.read(0)

@@ -173,6 +173,7 @@ class _JsonlCorpus:
         self._file = np.asarray(file_idx, dtype=np.int32)
         self._offset = np.asarray(offsets, dtype=np.int64)
         self._line = np.asarray(lines, dtype=np.int64)
+        self._stat = [_file_stamp(path) for path in files]  # what the offsets index; a bad read checks it
 
     def __len__(self) -> int:
         return len(self._offset)
@@ -185,7 +186,21 @@ class _JsonlCorpus:
         with open(path, "rb") as f:
             f.seek(int(self._offset[i]))
             raw = f.readline()
-        return _jsonl_text(raw, path, lineno, self.text_key)
+        try:
+            return _jsonl_text(raw, path, lineno, self.text_key)
+        except DataError:
+            now = _file_stamp(path)
+            if now != self._stat[self._file[i]]:  # the line is fine; the file under the index is not the same
+                size, _ = self._stat[self._file[i]]
+                raise DataError(f"{path} changed since the run started (indexed at {size} bytes, now {now[0]}): "
+                                "documents are read at the byte offsets indexed then; restore the file, or start "
+                                "a new run (a resume re-indexes and names what changed)") from None
+            raise
+
+
+def _file_stamp(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
 
 
 # ------------------------------------------------------------------------------------------- global rows
