@@ -352,11 +352,12 @@ def _parse_runs(p: argparse.ArgumentParser, text: str) -> list[tuple[str, str, b
     """--runs as (mode, ac, fp8) triples; argparse's error (exit 2) naming the bad spec."""
     runs = []
     for spec in text.split(","):
-        mode, ac, *rest = spec.split(":") + ([] if ":" in spec else [""])
-        if mode not in ("eager", "compiled") or ac not in ("none", "full", "selective", "auto") or rest not in ([], ["fp8"]):
+        parts = spec.split(":")
+        if not (len(parts) in (2, 3) and parts[0] in ("eager", "compiled")
+                and parts[1] in ("none", "full", "selective", "auto") and parts[2:] in ([], ["fp8"])):
             p.error(f"--runs: {spec!r} is not mode:ac[:fp8] with mode in {{eager, compiled}} and ac in {{none, full, "
                     "selective, auto}")
-        runs.append((mode, ac, bool(rest)))
+        runs.append((parts[0], parts[1], len(parts) == 3))
     return runs
 
 

@@ -94,6 +94,11 @@ class JobSectionConfig(_Section):
         self._require(self.seed >= 0, "seed", "must be >= 0")
 
 
+# Glm5ModelArgs per-layer lists and the fields they are derived from (Glm5ModelArgs.__post_init__).
+_DERIVED_LISTS = {"num_hidden_layers": ("layer_types", "mlp_layer_types", "indexer_types"),
+                  "first_k_dense_replace": ("mlp_layer_types",)}
+
+
 @dataclass(frozen=True)
 class ModelConfig(_Section):
     """[model] Which model to build.
@@ -128,10 +133,10 @@ class ModelConfig(_Section):
         from torchtitan_glm.models.glm5.args import Glm5ModelArgs, get_flavor
 
         changes = dict(self.args)
-        if "num_hidden_layers" in changes:  # per-layer lists not given are derived again for the new depth
-            changes = {**{k: None for k in ("layer_types", "mlp_layer_types", "indexer_types")}, **changes}
-        elif "first_k_dense_replace" in changes:  # mlp_layer_types, unless given too, follows the new count
-            changes = {"mlp_layer_types": None, **changes}
+        # per-layer lists the flavor / hf_config derived from an overridden field are derived again (None), unless
+        # given too
+        derived = {k for field_, lists in _DERIVED_LISTS.items() if field_ in changes for k in lists}
+        changes = {**dict.fromkeys(derived), **changes}
         if self.hf_config:
             return Glm5ModelArgs.from_hf_config(self.hf_config, **changes)
         return get_flavor(self.flavor).replace(**changes)

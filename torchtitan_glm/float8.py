@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from torchtitan_glm.config import Float8Config
+from torchtitan_glm.config import SERVING_BF16_ROLES, Float8Config
 
 __all__ = ["Float8Summary", "linear_roles", "fp8_convertible", "convert_float8", "float8_linear_class",
            "precompute_float8_scales", "configure_inductor_for_float8", "param_precisions", "plain_tensors"]
@@ -108,9 +108,6 @@ class Float8Summary:
                 "its weight): " + "; ".join(parts))
 
 
-SERVING_BF16_ROLES = ("indexer", "mla", "kda")
-
-
 def summarize(model: nn.Module, *, recipe: str | None, keep_bf16: list[str] | tuple[str, ...],
               moe_experts: bool = True) -> Float8Summary:
     """Count converted Linears, FP8 expert weights, BF16-kept Linears per role (the serving roles always named,
@@ -161,9 +158,10 @@ def precompute_float8_scales(model: nn.Module, *, cfg: Float8Config) -> None:
     from torch.distributed.tensor import DTensor
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
+    f8 = float8_linear_class()
     groups: dict[tuple, list[nn.Module]] = {}
     for m in model.modules():
-        if isinstance(m, float8_linear_class()) and isinstance(m.weight, DTensor):
+        if isinstance(m, f8) and isinstance(m.weight, DTensor):
             reduced = tuple(not p.is_replicate() for p in m.weight.placements)  # mesh dims the amax reduces over
             groups.setdefault((m.weight.device_mesh, reduced), []).append(m)
     for linears in groups.values():

@@ -314,7 +314,7 @@ class CheckpointManager:
         tmp = step_dir(self.root, step) + ".tmp"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        kept = [s for s in list_checkpoints(self.root) if s != step] if os.path.isdir(self.root) else []
+        kept = list_checkpoints(self.root) if os.path.isdir(self.root) else []  # step-N too if it was published
         newest = f"the newest complete checkpoint is {step_dir(self.root, kept[-1])}" if kept else \
             "no complete checkpoint exists yet"
         return CheckpointError(f"{what} of step {step} into {tmp} failed: {_reason(error)}; the partial folder was "

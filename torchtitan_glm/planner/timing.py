@@ -122,11 +122,10 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
     k_pools = min(args.index_topk // kp, seq // kp)
     pools = seq // kp
     if not args.dense_dsa_kernel(seq):  # absorbed MLA over K gathered latents: QK and PV both kv_lora_rank wide
-        attn_fwd = 2.0 * tokens * big_k * h / tp * 2 * kvl
-        out["dsa_attention"] = len(dsa) * attn_fwd * (3.5 + recompute_fwd) / gpu.attention_sparse
+        attn_fwd_s = len(dsa) * 2.0 * tokens * big_k * h / tp * 2 * kvl / gpu.attention_sparse
     else:  # masked SDPA over every key of the row (dense warm-up, or rows <= dsa_dense_max_len)
-        attn_fwd = 2.0 * tokens * seq * h / tp * (dqk + dv)
-        out["dsa_attention"] = len(dsa) * attn_fwd * (3.5 + recompute_fwd) / gpu.attention_masked
+        attn_fwd_s = len(dsa) * 2.0 * tokens * seq * h / tp * (dqk + dv) / gpu.attention_masked
+    out["dsa_attention"] = attn_fwd_s * (3.5 + recompute_fwd)  # forward + backward (2.5x the forward)
     # the indexer's tiled FP32 ops (causal: on average half the pools / keys of the row), recomputed under full AC
     topk = 2.0 * tokens * ih * (idim + 1) * pools / 2 if args.dsa_attention == "sparse" else 0.0
     kl = 0.0
@@ -138,7 +137,7 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
     out["indexer_fp32"] = n_idx * (topk + kl) * (1 + recompute_fwd) / gpu.gemm_fp32
     if regime == "selective" and ctx.recompute:
         out["recompute_modules"] = _recompute_seconds(
-            args, ctx, gpu, layers=layers, dense_rate=dense_rate, attn=out["dsa_attention"] / 3.5 if dsa else 0.0,
+            args, ctx, gpu, layers=layers, dense_rate=dense_rate, attn=attn_fwd_s,
             indexer=(topk + kl) * n_idx / gpu.gemm_fp32)
     # an eager run under AC (ctx.compiled false) pays eager's elementwise launches, in the forward and the recompute
     rate = regime if ctx.compiled or regime in ("compiled", "eager") else f"eager_{regime}"
