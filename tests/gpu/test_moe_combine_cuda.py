@@ -1,6 +1,6 @@
-"""The MoE combine on CUDA in BF16 (models/glm5/moe.py::MoE._routed): the same output and input-gradient bits run to
-run, eager and compiled (no atomics), and in eager each output within half a BF16 ulp of the exact sum of its k
-rounded products (one rounding; inductor keeps the products in FP32, so the bound is checked in eager only)."""
+"""The MoE combine on CUDA in BF16 (models/glm5/moe.py::MoE._routed): the same output, input-gradient and
+routing-weight-gradient bits run to run, eager and compiled (no atomics), and in eager each output within half a BF16
+ulp of the exact sum of its k rounded products (one rounding; inductor keeps the products in FP32, so the bound is checked in eager only)."""
 
 from __future__ import annotations
 
@@ -23,12 +23,13 @@ def test_cuda_combine_is_deterministic_and_rounds_once(compiled):
     grad_out = torch.randn(flat.shape, generator=gen, device="cuda").bfloat16()
     runs = []
     for _ in range(2):
-        x = flat.detach().requires_grad_()
-        out = routed(x, idx, weights)[0]
+        # fresh leaves each run: the routing weights' gradient is part of the combine's backward too
+        x, w = flat.detach().requires_grad_(), weights.detach().requires_grad_()
+        out = routed(x, idx, w)[0]
         out.backward(grad_out)
-        runs.append((out.detach(), x.grad))
-    (first, grad1), (second, grad2) = runs
-    assert torch.equal(first, second) and torch.equal(grad1, grad2)
+        runs.append((out.detach(), x.grad, w.grad))
+    (first, grad1, wgrad1), (second, grad2, wgrad2) = runs
+    assert torch.equal(first, second) and torch.equal(grad1, grad2) and torch.equal(wgrad1, wgrad2)
     if not compiled:
         y = flat.unsqueeze(1) * (1 + idx / 7).to(torch.bfloat16).unsqueeze(-1)
         exact = (y * weights.unsqueeze(-1).to(torch.bfloat16)).double().sum(1)

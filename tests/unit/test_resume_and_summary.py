@@ -62,6 +62,18 @@ def test_schedule_note_says_what_the_resumed_scheduler_does():
     assert schedule_note(saved, _info("--training.steps", "10"), 10) is None
 
 
+def test_schedule_note_names_the_first_step_whose_lr_changes():
+    """Under WSD a longer run keeps the peak LR until the old decay would have started: the note names that step;
+    a warmup change after the warmup changes no LR left, so there is no note."""
+    wsd = ("--lr_scheduler.decay_type", "wsd", "--lr_scheduler.decay_ratio", "0.1")
+    saved = _info("--training.steps", "100", *wsd)
+    note = schedule_note(saved, _info("--training.steps", "200", *wsd), 20)
+    assert note is not None and "the same LR to step 90, then step 91 runs at lr 0.003 where the saved schedule " \
+        "gives 0.00273" in note, note  # 3e-3 * (0.1 + 0.9 * (1 - 1/10)): the linear WSD decay
+    assert schedule_note(saved, _info("--training.steps", "100", "--lr_scheduler.warmup_steps", "8", *wsd), 20) is None
+    assert schedule_note(saved, _info("--training.steps", "100", "--lr_scheduler.warmup_steps", "8", *wsd), 3)
+
+
 def test_precision_note_names_the_change_both_ways():
     bf16, fp8 = _info(), _info("--float8.enable", "true")
     assert resume_mismatches(bf16, fp8) == []  # names and values carry over: an allowed change

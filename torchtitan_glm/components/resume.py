@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 from torchtitan_glm.components.lr_scheduler import lr_factor
@@ -56,7 +57,8 @@ def _lr(cfg: dict[str, Any], step: int, peak: float) -> float:
 
 
 def schedule_note(saved: dict[str, Any], current: dict[str, Any], step: int) -> str | None:
-    """One sentence on what the LR does when a run resumes at `step` with a changed schedule (None: unchanged).
+    """One sentence on what the LR does when a run resumes at `step` with a changed schedule (None: the LR of every
+    step left is what the saved schedule gives, e.g. a changed `training.steps` that moves no decay).
 
     The resumed scheduler keeps the checkpoint's peak lr (its saved base_lrs) and applies this run's schedule."""
     old_cfg, new_cfg = saved.get("config"), current["config"]
@@ -66,11 +68,15 @@ def schedule_note(saved: dict[str, Any], current: dict[str, Any], step: int) -> 
     changed = [f"{sec}.{k} {old_cfg[sec][k]!r} -> {new_cfg[sec][k]!r}" for sec, k in keys
                if old_cfg.get(sec, {}).get(k) != new_cfg[sec][k]]
     peak = old_cfg["optimizer"]["lr"]
+    end = new_cfg["training"]["steps"]
     note = []
-    if changed:
-        before, after = _lr(old_cfg, step, peak), _lr(new_cfg, step, peak)
-        end = new_cfg["training"]["steps"]
-        note.append(f"the LR schedule changed since the checkpoint ({', '.join(changed)}): step {step + 1} runs at "
+    # the first step left whose LR differs (the saved schedule holds its final LR past its own end)
+    first = next((s for s in range(step, end) if changed
+                  and not math.isclose(_lr(old_cfg, s, peak), _lr(new_cfg, s, peak), rel_tol=1e-12)), None)
+    if first is not None:
+        before, after = _lr(old_cfg, first, peak), _lr(new_cfg, first, peak)
+        where = f"step {first + 1}" if first == step else f"the same LR to step {first}, then step {first + 1}"
+        note.append(f"the LR schedule changed since the checkpoint ({', '.join(changed)}): {where} runs at "
                     f"lr {after:.3g} where the saved schedule gives {before:.3g}, then follows the new schedule to "
                     f"lr {_lr(new_cfg, end - 1, peak):.3g} at step {end}")
     if new_cfg["optimizer"]["lr"] != peak:

@@ -11,7 +11,9 @@ _LABELS = {"dense_gemm": "dense GEMMs", "expert_gemm": "expert GEMMs", "lm_head_
 
 
 def _gib(x: float) -> str:
-    return f"{x / GIB:.1f}"
+    """GiB to one decimal; below 1 GiB three significant digits, so a small model's figures do not print as 0.0."""
+    g = x / GIB
+    return f"{g:.1f}" if g >= 0.95 or g == 0 else f"{g:.3g}"
 
 
 def _row(parts: dict[str, float], fmt, labels: dict[str, str] | None = None, *, skip_zero: bool = True) -> str:
