@@ -270,8 +270,10 @@ class Trainer:
         from torchtitan_glm.models.glm5.hf_distributed import save_hf_from_sharded
 
         ckpt = self.cfg.checkpoint
+        # the tokenizer goes with the weights: the folder loads in transformers and serving engines as trained
         save_hf_from_sharded(model, out_dir, dtype=getattr(torch, ckpt.export_dtype), fp8=ckpt.export_fp8,
-                             keep_bf16=self.cfg.float8.keep_bf16, process_group=self.cpu_group)
+                             keep_bf16=self.cfg.float8.keep_bf16, process_group=self.cpu_group,
+                             extra_files=self.tokenizer.hf_files() if self.rank == 0 else None)
 
     def _hf_load(self, model: torch.nn.Module, path: str) -> None:
         from torchtitan_glm.models.glm5.hf_distributed import load_hf_weights_into

@@ -183,6 +183,10 @@ def test_initial_hf_load_and_final_hf_export(tmp_path):
     for name, t in original.items():
         # Adam moves every weight by ~lr = 1e-30: invisible next to non-zero FP32 values, but zeros become ~1e-30.
         torch.testing.assert_close(exported[name], t, rtol=0, atol=1e-28, msg=name)
+    # the run's tokenizer goes with the export (the byte tokenizer as an equivalent tokenizer.json)
+    from torchtitan_glm.components.tokenizer import ByteTokenizer
+    for name, data in ByteTokenizer().hf_files().items():
+        assert (tmp_path / "run" / "checkpoint" / "hf-step-2" / name).read_bytes() == data, name
 
 
 def test_dense_warmup_trains_only_the_indexer(tmp_path):

@@ -77,3 +77,64 @@ def test_vocab_fit_is_checked_naming_both_sizes():
     check_vocab_fits(ByteTokenizer(), vocab_size=259, model="model.flavor 'debug'")
     with pytest.raises(TokenizerError, match=r"has 259 tokens but the model \(model.flavor 'x'\) has vocab_size 258"):
         check_vocab_fits(ByteTokenizer(), vocab_size=258, model="model.flavor 'x'")
+
+
+# ----------------------------------------------------------------------------------- the tokenizer of an HF export
+EXPORT_TEXTS = [TEXT, "", " ", "\n\n\t", "a" * 1000, "日本語のテキスト", "e\u0301 (combining) \u00a0nbsp \x00\x7f",
+                "<eos> <|endoftext|> literal names of other tokenizers' specials"]
+
+
+def _write(folder, files):
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return folder
+
+
+def test_byte_tokenizer_export_gives_the_same_ids(tmp_path):
+    """The byte tokenizer's tokenizer.json: the same ids and specials through `tokenizers` (our HFTokenizer) and
+    through transformers' AutoTokenizer, for ASCII, multi-byte UTF-8, control characters and random code points."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    byte = ByteTokenizer()
+    folder = _write(tmp_path / "export", byte.hf_files())
+    rng = random.Random(0)
+    texts = EXPORT_TEXTS + ["".join(chr(rng.choice([rng.randrange(32, 127), rng.randrange(0x80, 0xD800),
+                                                     rng.randrange(0x10000, 0x110000)])) for _ in range(200))
+                            for _ in range(20)]
+    hf, auto = HFTokenizer(str(folder)), AutoTokenizer.from_pretrained(str(folder))
+    for text in texts:
+        ids = byte.encode(text)
+        assert hf.encode(text) == ids and auto(text, add_special_tokens=False)["input_ids"] == ids, repr(text[:40])
+        assert hf.decode(ids) == text and auto.decode(ids) == text
+    assert (hf.vocab_size, hf.bos_id, hf.eos_id, hf.pad_id) == (259, 256, 257, 258)
+    assert (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id) == (256, 257, 258) and len(auto) == 259
+    assert hf.decode([256, *byte.encode("hi"), 257, 258]) == "hi"  # specials dropped, as the byte tokenizer does
+
+
+def test_hf_tokenizer_export_copies_its_files(tmp_path):
+    (tmp_path / "tok").mkdir()
+    _train_tiny_tokenizer(tmp_path / "tok" / "tokenizer.json")
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    files = HFTokenizer(str(tmp_path / "tok")).hf_files()
+    assert sorted(files) == ["tokenizer.json", "tokenizer_config.json"]  # no special_tokens_map.json beside it
+    for name, data in files.items():
+        assert data == (tmp_path / "tok" / name).read_bytes()
+
+
+def test_save_pretrained_writes_the_extra_files_and_refuses_bad_names(tmp_path):
+    import torch
+
+    from torchtitan_glm.models.glm5 import Glm5Model, get_flavor, save_pretrained
+
+    torch.manual_seed(0)
+    model = Glm5Model(get_flavor("debug"))
+    files = ByteTokenizer().hf_files()
+    save_pretrained(model, tmp_path / "hf", extra_files=files)
+    assert {n: (tmp_path / "hf" / n).read_bytes() for n in files} == files
+    for bad in ("config.json", "model.safetensors", "../tokenizer.json", "sub/tokenizer.json"):
+        with pytest.raises(ValueError, match="extra file"):
+            save_pretrained(model, tmp_path / "bad", extra_files={bad: b"x"})
+        assert not (tmp_path / "bad").exists()

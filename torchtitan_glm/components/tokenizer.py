@@ -1,7 +1,8 @@
 """Tokenizers: a built-in byte-level one (no files needed) and a wrapper over an HF `tokenizer.json`.
 
 Both expose encode(text) -> list[int] (no special tokens added; the data pipeline adds eos), decode(ids) -> str,
-vocab_size, bos_id, eos_id and pad_id.
+vocab_size, bos_id, eos_id and pad_id, and hf_files(): the files an HF export carries so that its folder loads as
+the same tokenizer (`tokenizers`, transformers' AutoTokenizer, serving engines).
 """
 
 from __future__ import annotations
@@ -41,6 +42,23 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Specials are dropped; invalid UTF-8 (e.g. a row cut mid-character) becomes U+FFFD."""
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    SPECIAL_NAMES = ("<|byte_bos|>", "<|byte_eos|>", "<|byte_pad|>")  # ids 256, 257, 258 in an HF export
+
+    def hf_files(self) -> dict[str, bytes]:
+        """tokenizer.json and tokenizer_config.json of the same ids: a BPE with no merges whose vocabulary is the
+        256 byte tokens `<0xNN>` (id = byte), so every character falls back to its UTF-8 bytes, and the specials
+        as added tokens. As in any HF tokenizer, a literal special name in the text encodes as that special."""
+        from tokenizers import Tokenizer as _HFTok
+        from tokenizers import decoders, models
+
+        tok = _HFTok(models.BPE(vocab={f"<0x{b:02X}>": b for b in range(256)}, merges=[], byte_fallback=True))
+        tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+        tok.add_special_tokens(list(self.SPECIAL_NAMES))
+        bos, eos, pad = self.SPECIAL_NAMES
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, "pad_token": pad,
+                  "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False}
+        return {"tokenizer.json": tok.to_str().encode(), "tokenizer_config.json": json.dumps(config, indent=2).encode()}
 
 
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[EOS]")
@@ -89,6 +107,22 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # copied from beside tokenizer.json
+
+    def hf_files(self) -> dict[str, bytes]:
+        """Its tokenizer.json and the side files found beside it, byte for byte."""
+        folder = os.path.dirname(self.path)
+        out = {}
+        for name, path in [("tokenizer.json", self.path)] + [(n, os.path.join(folder, n)) for n in self.SIDE_FILES]:
+            if name == "tokenizer.json" or os.path.isfile(path):
+                try:
+                    with open(path, "rb") as f:
+                        out[name] = f.read()
+                except OSError as e:
+                    raise TokenizerError(f"data.tokenizer: cannot read {path} for the HF export: {e.strerror or e}") \
+                        from None
+        return out
 
 
 def _read_declared_specials(path: str) -> dict[str, str]:

@@ -29,6 +29,7 @@ import uuid
 import warnings
 from contextlib import ExitStack
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Iterator
 
 import torch
@@ -50,7 +51,7 @@ from torchtitan_glm.float8 import plain_tensors
 from .hf_io import (
     CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, _checkpoint_files, _export_config,
     _fp8_export_names, _fp32_hf_names, _indexer_hf_modules, _plan_shards, _publish, _quantization_config, _read_json,
-    _open_files, _scan, fp8_quantization_config,
+    _open_files, _scan, check_extra_files, fp8_quantization_config, write_extra_files,
 )
 from .model import Glm5Model
 from .state_dict_adapter import (
@@ -249,12 +250,15 @@ def _like(source: torch.Tensor | None, local: torch.Tensor) -> torch.Tensor:
 def save_hf_from_sharded(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
                          fp8: bool = False, keep_bf16: tuple[str, ...] | list[str] = ("indexer", "mla", "kda"),
                          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                         process_group: dist.ProcessGroup | None = None) -> Path:
+                         process_group: dist.ProcessGroup | None = None,
+                         extra_files: Mapping[str, bytes] | None = None) -> Path:
     """Write the model as an HF checkpoint in the released layout, every rank its own shards (collective): floating
     tensors in `dtype` except those of keep_fp32 modules (FP32); with fp8 the Linears the FP8 split converts (with
     `keep_bf16`) and the routed experts as E4M3 with 128x128 block scale_inv, and config.json's quantization_config.
     The folder appears complete or not at all; an existing non-empty out_dir is refused (FileExistsError).
-    process_group: a gloo group when the default one is NCCL (the FP8 scale exchange runs on CPU)."""
+    process_group: a gloo group when the default one is NCCL (the FP8 scale exchange runs on CPU). extra_files: more
+    files of the folder by name (the tokenizer's), written by rank 0 before the folder is published."""
+    check_extra_files(extra_files)
     m = _unwrap(model)
     args = m.args
     adapter = Glm5StateDictAdapter(args)
@@ -277,7 +281,7 @@ def save_hf_from_sharded(model: nn.Module, out_dir: str | os.PathLike, *, dtype:
         shards = _write_shards(model, m, adapter, tmp, dtype=dtype, fp8=fp8, keep_bf16=keep_bf16,
                                max_shard_bytes=max_shard_bytes, group=process_group)
         if rank == 0:
-            _finish(m, adapter, tmp, out_dir, shards, dtype=dtype)
+            _finish(m, adapter, tmp, out_dir, shards, dtype=dtype, extra_files=extra_files)
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -346,8 +350,9 @@ def _write_shards(model: nn.Module, m: Glm5Model, adapter: Glm5StateDictAdapter,
 
 
 def _finish(m: Glm5Model, adapter: Glm5StateDictAdapter, tmp: Path, out_dir: Path, plan: dict[str, Any], *,
-            dtype: torch.dtype) -> None:
-    """Rank 0: drop the shard files, name a single file as save_pretrained does, write config.json, publish."""
+            dtype: torch.dtype, extra_files: Mapping[str, bytes] | None) -> None:
+    """Rank 0: drop the shard files, name a single file as save_pretrained does, write config.json and the extra
+    files, publish."""
     shutil.rmtree(tmp / "sharded")
     if os.path.exists(tmp / _metadata_fn):  # torch writes it only when distributed: ours, the same either way
         os.remove(tmp / _metadata_fn)
@@ -363,5 +368,6 @@ def _finish(m: Glm5Model, adapter: Glm5StateDictAdapter, tmp: Path, out_dir: Pat
         cfg["quantization_config"] = fp8_quantization_config(plan["shapes"], plan["quantized"], plan["indexers"])
     with open(tmp / CONFIG_NAME, "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
+    write_extra_files(tmp, extra_files)
     _publish(tmp, out_dir)
     logger.info("exported %d tensors in %d file(s) to %s", len(plan["shapes"]), plan["files"], out_dir)

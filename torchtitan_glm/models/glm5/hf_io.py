@@ -321,6 +321,20 @@ def _plan_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> list[list[st
     return shards
 
 
+def check_extra_files(extra_files: Mapping[str, bytes] | None) -> None:
+    """ValueError for an extra file name that is not a plain file name or that the checkpoint itself writes."""
+    for name in extra_files or {}:
+        if Path(name).name != name or name in ("", ".", "..") or name == CONFIG_NAME or name == INDEX_FILE \
+                or name.endswith(".safetensors"):
+            raise ValueError(f"extra file {name!r}: not a plain file name, or one the HF checkpoint writes itself")
+
+
+def write_extra_files(folder: Path, extra_files: Mapping[str, bytes] | None) -> None:
+    for name, data in (extra_files or {}).items():
+        with open(folder / name, "wb") as f:
+            f.write(data)
+
+
 def _publish(tmp: Path, out_dir: Path) -> None:
     """Move the finished tmp dir to out_dir; an existing out_dir is replaced only once tmp is complete."""
     backup = None
@@ -348,6 +362,7 @@ def save_pretrained(
     config: Mapping[str, Any] | None = None,
     fp8: bool = False,
     keep_bf16: tuple[str, ...] | list[str] = ("indexer", "mla", "kda"),
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> Path:
     """Write `model` as an HF checkpoint (config.json + model.safetensors, or shards + index) and return out_dir.
 
@@ -361,9 +376,11 @@ def save_pretrained(
     config.json is the loaded one (FP8 quantization removed) when it still matches model.args, else the multimodal
     form built from args; `config` overrides it. include_mtp None exports the MTP unless it was freshly initialised
     on load (the source had none). Everything is written to a temporary sibling directory that replaces out_dir
-    only when complete; an existing non-empty out_dir is refused unless overwrite.
+    only when complete; an existing non-empty out_dir is refused unless overwrite. extra_files: more files of the
+    folder by name (the tokenizer's, `Tokenizer.hf_files()`), written before it is published.
     """
     out_dir = Path(out_dir)
+    check_extra_files(extra_files)
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
@@ -443,6 +460,7 @@ def save_pretrained(
                 json.dump(index, f, indent=2, sort_keys=True)
         with open(tmp / CONFIG_NAME, "w") as f:
             json.dump(cfg, f, indent=2, sort_keys=True)
+        write_extra_files(tmp, extra_files)
         _publish(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
