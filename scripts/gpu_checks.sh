@@ -15,6 +15,8 @@
 #   decode == forward), scripts/rollout_agreement.py on the proxy (ROLLOUT_PRECISIONS; on the proxy trained
 #   ROLLOUT_TRAIN_STEPS=30 steps first, 0 = random weights, or ROLLOUT_SOURCE="--hf DIR"/"--checkpoint DIR") and
 #   scripts/bench_decode.py.
+#   agreement (issue 8): scripts/precision_agreement.py on the proxy trained as for serving (the same folder, trained
+#   once per warm machine).
 #   fp8curve (issue 8): 200 proxy steps through train.py, BF16 and the FP8 split (FP8CURVE_PREC, one per call),
 #   compared by scripts/compare_runs.py (end means within 1%).
 #   optim (issue 12): train.py on the proxy, eager (no compile to pay), for each optimizer in OPTIM_NAMES (default
@@ -172,25 +174,38 @@ case " $STAGES " in *" fp8curve "*)
       | tee "$OUT/fp8curve_compare.log" ;;
 esac
 pack_cache
-case " $STAGES " in *" serving "*)
-  timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/gpu/test_decode_cuda.py -p no:cacheprovider 2>&1 \
-      | tee "$OUT/decode_tests.log"
-  # random weights give near-uniform log-probs (a Pearson of noise): first train the proxy ROLLOUT_TRAIN_STEPS
-  # steps (eager, full AC) and export only its BF16 HF weights, unless ROLLOUT_SOURCE names a checkpoint
-  src=${ROLLOUT_SOURCE:-}
-  if [ -z "$src" ] && [ "${ROLLOUT_TRAIN_STEPS:-30}" -gt 0 ]; then
+# The proxy trained ROLLOUT_TRAIN_STEPS steps (eager, full AC; random weights give near-uniform log-probs, a Pearson
+# of noise), exported as BF16 HF weights only, once per warm machine: prints its folder.
+trained_proxy() {
+  local dir="$CACHE/rollout_px/checkpoint/hf-step-${ROLLOUT_TRAIN_STEPS:-30}"
+  if [ ! -f "$dir/config.json" ]; then
     timeout "${PROXY_TIMEOUT:-400}" torchrun --nproc-per-node 1 train.py --config train_configs/glm5_3_flash_proxy.toml \
         --compile.enable false --activation_checkpoint.mode full --training.steps "${ROLLOUT_TRAIN_STEPS:-30}" \
         --metrics.log_freq 10 --metrics.enable_tensorboard false --checkpoint.enable true --checkpoint.interval 100000 \
         --checkpoint.last_save_in_hf true --checkpoint.last_save_model_only true --job.dump_folder "$CACHE/rollout_px" \
-        2>&1 | tee "$OUT/rollout_train.log"
-    src="--hf $CACHE/rollout_px/checkpoint/hf-step-${ROLLOUT_TRAIN_STEPS:-30}"
+        > "$OUT/rollout_train.log" 2>&1
+  fi
+  echo "$dir"
+}
+case " $STAGES " in *" serving "*)
+  timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/gpu/test_decode_cuda.py -p no:cacheprovider 2>&1 \
+      | tee "$OUT/decode_tests.log"
+  # first train the proxy (trained_proxy) unless ROLLOUT_SOURCE names a checkpoint or ROLLOUT_TRAIN_STEPS=0
+  src=${ROLLOUT_SOURCE:-}
+  if [ -z "$src" ] && [ "${ROLLOUT_TRAIN_STEPS:-30}" -gt 0 ]; then
+    src="--hf $(trained_proxy)"
   fi
   timeout "${ROLLOUT_TIMEOUT:-500}" python3 scripts/rollout_agreement.py ${src:---flavor glm5_3_flash_proxy} \
       --precisions "${ROLLOUT_PRECISIONS:-bf16,fp8_split,fp8_indexer,fp8_indexer_trained}" --num-sequences 16 \
       --prompt-len 512 --continuation-len 128 --json "$OUT/rollout_agreement.json" 2>&1 | tee "$OUT/rollout_agreement.log"
   timeout "${DECODE_BENCH_TIMEOUT:-400}" python3 scripts/bench_decode.py --flavor glm5_3_flash_proxy --batch 1,64 \
       --prompt-len 512 --steps 64 --json "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.log" ;;
+esac
+pack_cache
+case " $STAGES " in *" agreement "*)
+  # issue 8: scripts/precision_agreement.py on trained weights (the targets are for a trained checkpoint)
+  timeout "${AGREEMENT_TIMEOUT:-300}" python3 scripts/precision_agreement.py --hf "$(trained_proxy)" --seq-len 4096 \
+      --json "$OUT/agreement_trained.json" 2>&1 | tee "$OUT/agreement_trained.log" ;;
 esac
 pack_cache
 case " $STAGES " in *" multigpu "*)
