@@ -27,9 +27,9 @@ import os
 import shutil
 import uuid
 import warnings
+from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any, Iterator
 
 import torch

@@ -330,6 +330,7 @@ def check_extra_files(extra_files: Mapping[str, bytes] | None) -> None:
 
 
 def write_extra_files(folder: Path, extra_files: Mapping[str, bytes] | None) -> None:
+    """Each extra file into `folder` (the unpublished temporary one), byte for byte."""
     for name, data in (extra_files or {}).items():
         with open(folder / name, "wb") as f:
             f.write(data)
