@@ -44,6 +44,24 @@ def test_resume_under_another_layout_continues_the_same_losses(tmp_path, referen
         assert resumed[step] == pytest.approx(full[step], rel=1e-5, abs=0), f"step {step}"
 
 
+def test_a_tensor_parallel_checkpoint_resumes_under_fsdp(tmp_path):
+    """The other direction: under tp=2 some parameters are plain tensors that FSDP makes DTensors, so the optimizer's
+    param groups (plain and DTensor apart) hold other parameters than the checkpoint's. The resumed dp=2 run takes
+    the saved settings by parameter and continues the tp=2 run's losses."""
+    tp = LAYOUTS["tp2"][1]
+    full = tmp_path / "tp2"
+    _run_ok(SHORT + tp + [f"--job.dump_folder={full}"], nproc=2)
+    dump = tmp_path / "run"
+    (dump / "checkpoint").mkdir(parents=True)
+    shutil.copytree(full / "checkpoint" / "step-10", dump / "checkpoint" / "step-10")
+    res = _run_ok(SHORT + [f"--job.dump_folder={dump}", "--metrics.save_tb_folder=tb_resumed"], nproc=2)
+    assert sorted(_losses(res.stdout)) == list(range(11, 21))
+    reference, resumed = _tb_losses(full / "tb"), _tb_losses(dump / "tb_resumed")
+    assert resumed[11] == pytest.approx(reference[11], rel=1e-6, abs=0)
+    for step in range(12, 21):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-5, abs=0), f"step {step}"
+
+
 def test_a_change_that_cannot_be_honoured_names_the_key(tmp_path, reference_run):
     """job.seed orders the documents: a resume with another seed cannot continue the data, and says so in one line."""
     full_dir, _ = reference_run

@@ -379,3 +379,25 @@ def test_a_failed_save_is_one_line_and_leaves_no_partial_folder(tmp_path, monkey
     assert "\n" not in text and "No space left on device" in text and "step-4.tmp" in text, text
     assert f"the newest complete checkpoint is {step_dir(ck.root, 2)}" in text
     assert not os.path.exists(step_dir(ck.root, 4) + ".tmp") and list_checkpoints(ck.root) == [2]
+
+
+def test_optimizer_groups_of_another_layout_are_laid_over_this_partition():
+    """checkpoint.regroup: each current group takes the settings of the saved groups that held its parameters (its
+    own when none did), whatever the two partitions; saved groups that disagree for one current group are an error."""
+    from torchtitan_glm.components.checkpoint import regroup
+
+    loaded = [{"params": ["a", "b"], "lr": 1.0, "weight_decay": 0.1, "betas": (0.9, 0.95)},
+              {"params": ["c"], "lr": 1.0, "weight_decay": 0.0, "betas": (0.9, 0.95)},
+              {"params": ["d"], "lr": 1.0, "weight_decay": 0.1, "betas": (0.9, 0.95)}]
+    mine = {"lr": 2.0, "weight_decay": 0.5, "betas": (0.8, 0.9)}
+    current = [{"params": ["a"], **mine}, {"params": ["b", "d"], **mine}, {"params": ["c"], **mine},
+               {"params": ["e"], **mine}]
+    assert regroup(loaded, current) == [
+        {"params": ["a"], "lr": 1.0, "weight_decay": 0.1, "betas": (0.9, 0.95)},
+        {"params": ["b", "d"], "lr": 1.0, "weight_decay": 0.1, "betas": (0.9, 0.95)},
+        {"params": ["c"], "lr": 1.0, "weight_decay": 0.0, "betas": (0.9, 0.95)},
+        {"params": ["e"], **mine}]
+    with pytest.raises(CheckpointError, match=r"disagree on \['weight_decay'\]"):
+        regroup(loaded, [{"params": ["a", "c"], **mine}])
+    tensor_lr = [{"params": ["a"], "lr": torch.tensor(1.0)}, {"params": ["b"], "lr": torch.tensor(1.0)}]
+    assert regroup(tensor_lr, [{"params": ["a", "b"], "lr": torch.tensor(3.0)}])[0]["lr"] == 1.0  # torchao's tensor lr

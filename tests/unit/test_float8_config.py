@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from torchtitan_glm.config import ConfigError, load_config
 
@@ -33,6 +34,7 @@ def test_float8_defaults_are_the_serving_split():
     (["--model.dsa_attention", "dense"], "model.dsa_attention"),  # set by loss.indexer_stage
     # values the model cannot run (each crashed or trained on NaN before it was checked)
     (["--model.kv_lora_rank", "0"], "model.kv_lora_rank"),
+    (["--model.n_group", "0"], "model.n_group"),
     (["--model.intermediate_size", "0"], "model.intermediate_size"),
     (["--model.moe_intermediate_size", "0"], "model.moe_intermediate_size"),
     (["--model.n_shared_experts", "0"], "model.n_shared_experts"),
@@ -105,3 +107,28 @@ def test_startup_precision_line_names_the_split():
     line = precision_line(cfg.training, cfg.float8)
     assert "FP8 rowwise Linears, FP8 grouped experts, kept BF16: indexer, mla, kda" in line
     assert "FP8" not in precision_line(cfg.training, load_config([]).float8)
+    # the converted model's experts, when given, win over the config: none, some or no FP8-convertible experts
+    assert "FP8 rowwise Linears, FP8 grouped experts, kept" in precision_line(cfg.training, cfg.float8,
+                                                                               expert_modules=(4, 4))
+    assert "FP8 grouped experts (3 of 4 modules)" in precision_line(cfg.training, cfg.float8, expert_modules=(3, 4))
+    assert "BF16 experts (float8.moe_experts, but no expert weight has dims divisible by 16)" in precision_line(
+        cfg.training, cfg.float8, expert_modules=(0, 4))
+    assert "no routed experts" in precision_line(cfg.training, cfg.float8, expert_modules=(0, 0))
+
+
+def test_startup_summary_reads_the_experts_from_the_converted_model(tmp_path):
+    """hidden_size 72 (not a multiple of 16): float8.moe_experts converts no expert, and the summary says so."""
+    from torchtitan_glm.components.logs import startup_summary
+    from torchtitan_glm.float8 import convert_float8
+    from torchtitan_glm.models.glm5 import Glm5Model
+
+    cfg = load_config(["--config", "train_configs/debug_model.toml", "--float8.enable", "true",
+                       "--model.hidden_size", "72", f"--job.dump_folder={tmp_path}"])
+    args = cfg.model.model_args()
+    with torch.device("meta"):
+        model = Glm5Model(args)
+    summary = convert_float8(model, cfg=cfg.float8)
+    assert summary.grouped_expert_weights == 0 and summary.experts_left_bf16 > 0
+    text = startup_summary(cfg=cfg, args=args, model=model, world=1, dp_size=1, device=torch.device("cpu"),
+                           resume="fresh start")
+    assert "BF16 experts (float8.moe_experts, but no expert weight has dims divisible by 16)" in text, text

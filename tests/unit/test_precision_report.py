@@ -116,3 +116,7 @@ def test_experts_left_bf16_by_the_shape_rule_are_reported():
     assert summary.grouped_expert_weights == 0 and summary.experts_left_bf16 == 4  # 3 MoE layers + the MTP's
     assert "4 routed-expert modules" in summary.left_line()
     assert convert_float8(Glm5Model(get_flavor("debug")), cfg=load_config([]).float8).left_line() == ""
+    # the report prints what train.py prints at start-up, the left-BF16 line included
+    _, _, lines = report(["--config", str(ROOT / "train_configs/debug_model.toml"), "--float8.enable", "true",
+                          "--model.moe_intermediate_size", "24"])
+    assert lines.splitlines() == [summary.line(), summary.left_line()]

@@ -70,6 +70,7 @@ _ERRORS = (Exception, dcp.CheckpointException)
 _MODEL, _OPTIMIZER, _LR_SCHEDULER, _TRAIN_STATE = "model", "optimizer", "lr_scheduler", "train_state"
 _DATALOADER = "dataloader"
 _RNG_RE = re.compile(r"^rng_rank(\d+)\.")
+_OPTIMIZER_GROUP_RE = re.compile(r"^optimizer\.param_groups\.(\d+)\.")
 
 
 def _rng_key(rank: int) -> str:
@@ -140,16 +141,57 @@ class _ModelState(Stateful):
 
 
 class _OptimizerState(Stateful):
-    """The optimizer state keyed by parameter FQN (so it reshards with the model)."""
+    """The optimizer state keyed by parameter FQN (so it reshards with the model).
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
+    Which parameters share a param group follows the layout (optimizer.param_groups: plain and DTensor parameters
+    apart), so a checkpoint of another layout can hold another partition, even another number of groups. DCP loads
+    the groups index by index into the template, so the template holds as many groups as the checkpoint
+    (`saved_groups`), and the loaded groups' settings are then laid over this run's partition by FQN: torch's
+    set_optimizer_state_dict would leave a group no saved group maps to without its settings."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, saved_groups: int | None = None) -> None:
+        self.model, self.optimizer, self.saved_groups = model, optimizer, saved_groups
+        self._current: list[dict[str, Any]] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return plain_tensors(get_optimizer_state_dict(self.model, self.optimizer))
+        sd = plain_tensors(get_optimizer_state_dict(self.model, self.optimizer))
+        # copies: DCP loads into the returned groups in place
+        self._current = [dict(g, params=list(g["params"])) for g in sd["param_groups"]]
+        if self.saved_groups is not None and self.saved_groups != len(sd["param_groups"]):
+            template = sd["param_groups"][0]
+            sd = dict(sd, param_groups=[dict(template) for _ in range(self.saved_groups)])  # values: loaded
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._current is None:
+            self._current = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
+        state_dict = dict(state_dict, param_groups=regroup(state_dict["param_groups"], self._current))
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a.cpu(), b.cpu())
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def regroup(loaded: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`current`'s partition of parameter FQNs, each group with the settings of the loaded groups that held its
+    parameters (its own when none did). CheckpointError when those loaded groups disagree."""
+    owner = {fqn: g for g in loaded for fqn in g["params"]}
+    out = []
+    for cur in current:
+        sources = list({id(owner[f]): owner[f] for f in cur["params"] if f in owner}.values()) or [cur]
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in sources]
+        for other in settings[1:]:
+            keys = [k for k in settings[0] if not _same(settings[0][k], other.get(k))]
+            if keys:
+                raise CheckpointError(f"the checkpoint's optimizer param groups disagree on {keys} for parameters "
+                                      f"that now share one group (e.g. {cur['params'][0]})")
+        out.append({**settings[0], "params": list(cur["params"])})
+    return out
 
 
 class _PickledState(Stateful):
@@ -527,6 +569,8 @@ class CheckpointManager:
                 "fresh with a new --job.dump_folder (checkpoint.initial_load_path can take its weights)")
         saved_world = len({m.group(1) for k in keys if (m := _RNG_RE.match(k))})
         states = dict(self.states)
+        groups = {m.group(1) for k in keys if (m := _OPTIMIZER_GROUP_RE.match(k))}
+        states[_OPTIMIZER] = _OptimizerState(self.model, self.optimizer, saved_groups=len(groups) or None)
         if saved_world != self.world:
             states[_rng_key(0)] = states.pop(_rng_key(self.rank))  # DCP loads by key
         return states

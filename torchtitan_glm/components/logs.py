@@ -59,14 +59,23 @@ def format_bytes(n: float) -> str:
 _SHORT_DTYPE = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 
 
-def precision_line(training: Any, float8: Any = None) -> str:
+def precision_line(training: Any, float8: Any = None, *, expert_modules: tuple[int, int] | None = None) -> str:
     """How parameters are computed and gradients reduced (the [training] mixed-precision keys), and the FP8 split
-    ([float8]: recipe, routed experts, roles kept BF16) when it is on."""
+    ([float8]: recipe, routed experts, roles kept BF16) when it is on. `expert_modules`: (routed-expert modules in
+    FP8, all of them) in the converted model (None: as float8.moe_experts says)."""
     param = _SHORT_DTYPE.get(training.mixed_precision_param, training.mixed_precision_param)
     reduce = _SHORT_DTYPE.get(training.mixed_precision_reduce, training.mixed_precision_reduce)
     line = f"{param} params, {reduce} reduce"
     if float8 is not None and float8.enable:
-        experts = "FP8 grouped experts" if float8.moe_experts else "BF16 experts"
+        fp8, total = expert_modules or ((1, 1) if float8.moe_experts else (0, 1))
+        if total == 0:
+            experts = "no routed experts"
+        elif not float8.moe_experts:
+            experts = "BF16 experts"
+        elif fp8 == 0:
+            experts = "BF16 experts (float8.moe_experts, but no expert weight has dims divisible by 16)"
+        else:
+            experts = "FP8 grouped experts" + (f" ({fp8} of {total} modules)" if fp8 < total else "")
         line += (f"; FP8 {float8.recipe} Linears, {experts}, kept BF16: {', '.join(float8.keep_bf16) or 'nothing'}"
                  f"{', FP8 all-gather' if float8.fsdp_float8_all_gather else ''}")
     return line
@@ -157,7 +166,10 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
     planner's peak (activations included) and step time, rows when given."""
     from torchtitan_glm.components.metrics import count_params
 
+    from torchtitan_glm.models.glm5.moe import GroupedExperts
+
     counts = count_params(args)
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     mem = memory_per_rank(model, optimizer=cfg.optimizer)
     rows_per_rank = cfg.training.seq_len * cfg.training.local_batch_size
     head_tokens = rows_per_rank * (2 if args.num_nextn_predict_layers and cfg.loss.mtp_weight > 0 else 1)
@@ -179,7 +191,8 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
         ("model", _model_line(cfg, args)),
         ("parameters", f"{format_count(counts.total)} total, {format_count(counts.active)} active per token"),
         ("layout", f"{world} rank(s), {backend} on {device.type}: " + (layout or f"FSDP2 data_parallel_shard={dp_size}")),
-        ("precision", precision_line(cfg.training, cfg.float8)),
+        ("precision", precision_line(cfg.training, cfg.float8, expert_modules=(
+            sum(m.fp8 for m in experts), len(experts)))),
         ("compute", compute_line(cfg)),
         ("memory/rank", f"params {format_bytes(mem['params'])}, grads {format_bytes(mem['grads'])}, optimizer "
                         f"{format_bytes(mem['optimizer'])} ({opt.name}; sharded state{where}); activations not "

@@ -158,7 +158,7 @@ class Glm5ModelArgs:
                     "num_attention_heads", "n_shared_experts", "n_routed_experts", "kv_lora_rank", "v_head_dim",
                     "qk_nope_head_dim", "max_position_embeddings", "linear_num_heads", "linear_head_dim",
                     "linear_conv_kernel_dim", "index_topk", "index_n_heads", "index_head_dim", "hc_mult",
-                    "hc_sinkhorn_iters"):
+                    "hc_sinkhorn_iters", "n_group"):
             if int(getattr(self, key)) < 1:
                 fail(key, f"must be >= 1, got {getattr(self, key)}")
         if self.first_k_dense_replace < 0:
