@@ -4,8 +4,10 @@ selective granularity).
 
 Full recomputes the whole block, mHC mixing included; the block is a pure function of its inputs, so the
 recomputed forward re-reads the saved residual streams and never adds them twice. Selective saves the outputs of
-matmuls, attention, the KDA kernel and the DSA indexer's tiled ops (selection, KL with its precomputed gradient),
-and recomputes the cheap elementwise ops (norms, gates, mHC maps, the experts' SwiGLU activation).
+the dense matmuls, attention, the KDA kernel and the DSA indexer's tiled ops (selection, KL with its precomputed
+gradient), and recomputes the cheap elementwise ops (norms, gates, mHC maps) and the routed experts (their grouped
+GEMMs, BF16 or FP8, and SwiGLU, from the kept block input): the experts' rows are top-k times the tokens, the
+largest activations of a MoE block for one grouped forward of compute.
 
 recompute_modules (selective only) recomputes the saved ops of the listed parts of each block as well:
   kda          the whole KDA token mixer (projections, short convs, gates, the kernel, gated norm): only its input
@@ -14,10 +16,12 @@ recompute_modules (selective only) recomputes the saved ops of the listed parts 
   indexer      the DSA indexer: its projections, pooled keys, top-k selection and KL (re-run in backward)
   mla_up_proj  the MLA query / key-value up-projections (q_b_proj, kv_b_proj)
   sparse_attn  the DSA attention kernel (sparse absorbed MLA; the dense stage's masked attention)
-  moe          the MoE layer: router, routed experts' grouped GEMMs and the shared expert
+  moe          the MoE layer: router and shared expert too (the routed experts are recomputed by selective)
   mlp          the dense layers' MLP
 moe_chunk_tokens (any mode) runs the routed experts over checkpointed token chunks, so one chunk's expert
-activations are alive at a time in backward: for long sequences, at the cost of one more expert forward.
+activations are alive at a time in backward: for long sequences, at the cost of one more expert forward (on top of
+the one full or selective AC already re-runs: the block's recompute runs the chunks, and each chunk's backward runs
+its chunk again).
 The decision is taken per op (the same `torch.utils.checkpoint` policy machinery as selective) from where the op
 runs: the Python code regions (class methods) on its call stack, and for mla_up_proj the module being called. In
 eager those come from the interpreter's frames; under torch.compile the policy runs while AOTAutograd traces the
@@ -42,8 +46,8 @@ MODES = ("none", "full", "selective")
 RECOMPUTE_MODULES = ("kda", "mhc", "indexer", "mla_up_proj", "sparse_attn", "moe", "mlp")
 # Megatron names that plain selective already does: accepted (a Megatron config carries over) and change nothing.
 IMPLIED_BY_SELECTIVE = {
-    "moe_act": "selective already recomputes the experts' SwiGLU activation from the saved GEMM outputs; "
-               "'moe' recomputes the expert GEMMs too",
+    "moe_act": "selective already recomputes the routed experts, their SwiGLU activation and grouped GEMMs; "
+               "'moe' recomputes the router and the shared expert too",
 }
 
 
@@ -57,9 +61,11 @@ def _save_list() -> set:
         torch.ops.aten._scaled_dot_product_cudnn_attention.default,
         torch.ops.aten._flash_attention_forward.default,
     }
-    for name in ("_grouped_mm", "_scaled_mm", "_scaled_grouped_mm"):
-        if hasattr(torch.ops.aten, name):
-            ops.add(getattr(torch.ops.aten, name).default)
+    # The routed experts' grouped GEMMs are recomputed (module docstring): BF16 they run inside our custom op
+    # (torchtitan_glm::grouped_mm, not listed); FP8 torchao's autograd function runs aten._scaled_grouped_mm,
+    # left out here for the same choice.
+    if hasattr(torch.ops.aten, "_scaled_mm"):
+        ops.add(torch.ops.aten._scaled_mm.default)
     for name in ("kda_fwd", "kda_cp_fwd", "sparse_mla_fwd", "kpool_topk", "indexer_kl_sparse", "indexer_kl_dense"):
         if hasattr(torch.ops, "torchtitan_glm") and hasattr(torch.ops.torchtitan_glm, name):
             ops.add(getattr(torch.ops.torchtitan_glm, name).default)

@@ -294,3 +294,15 @@ def test_recompute_modules_move_the_plan():
         assert more["time"]["tokens_per_s"] < plain["time"]["tokens_per_s"]
         assert more["memory"]["reserved_gib"] < plain["memory"]["reserved_gib"], labels
         assert sum(more["memory"]["activation_terms_gib"].values()) < sum(plain["memory"]["activation_terms_gib"].values())
+
+
+@pytest.mark.parametrize("mode,reruns", [("none", 0), ("selective", 1), ("full", 1)])
+def test_expert_time_counts_the_forwards_that_ac_and_moe_chunks_re_run(mode, reruns):
+    """The routed experts' GEMM time is forward + backward (3 forwards' worth) plus one forward per re-run: AC's
+    (selective recomputes the routed experts too) and moe_chunk_tokens' (each chunk's backward re-runs its chunk;
+    tests/unit/test_recompute_modules.py counts them on the model)."""
+    proxy = ["--config", "train_configs/glm5_3_flash_proxy.toml", "--gpus", "1", "--json",
+             "--activation_checkpoint.mode", mode]
+    plain = json.loads(run(proxy))["time"]["compute_s"]["expert_gemm"]
+    chunked = json.loads(run([*proxy, "--activation_checkpoint.moe_chunk_tokens", "512"]))["time"]["compute_s"]
+    assert chunked["expert_gemm"] == pytest.approx(plain * (4 + reruns) / (3 + reruns), rel=1e-3)

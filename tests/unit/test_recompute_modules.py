@@ -117,3 +117,35 @@ def test_recompute_modules_from_toml_and_cli(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(["--config", str(path)])
     assert e.value.key == "activation_checkpoint.recompute_modules" and "'attn'" in str(e.value)
+
+
+class _GroupedForwards(TorchDispatchMode):
+    """Counts the routed experts' forward grouped GEMMs (torchtitan_glm::grouped_mm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.torchtitan_glm.grouped_mm.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode,chunk,again", [("none", 0, 0), ("selective", 0, 1), ("full", 0, 1),
+                                              ("none", 8, 1), ("selective", 8, 2), ("full", 8, 2)])
+def test_how_often_the_routed_experts_run_again_in_backward(mode, chunk, again):
+    """What the docs and the planner's step time say: selective and full AC re-run the routed experts' forward once
+    in backward (selective does not save their grouped GEMMs), and moe_chunk_tokens once more (a chunk's backward
+    re-runs its chunk). Backward runs one grouped_mm per forward one anyway: the input gradient."""
+    model = build_model(0)
+    apply_activation_checkpointing(model, mode=mode, moe_chunk_tokens=chunk)
+    batch = make_batch(0, model.args.vocab_size, bsz=1)
+    n = int((batch.labels != -100).sum())
+    with _GroupedForwards() as forward:
+        loss = training_loss(train_forward(model, batch, token_scale=1.0 / n, mtp_scale=0.1 / n))
+    with _GroupedForwards() as backward:
+        loss.backward()
+    assert forward.calls > 0 and backward.calls == (1 + again) * forward.calls, (forward.calls, backward.calls)
+    from torchtitan_glm.activation_checkpoint import _save_list
+
+    assert not any("grouped_mm" in str(op) for op in _save_list())

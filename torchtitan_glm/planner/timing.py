@@ -111,7 +111,10 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
     expert_rate = gpu.gemm_grouped_bf16 * (gpu.fp8_speedup_rowwise if inv.expert_fp8 else 1.0)
     out = {
         "dense_gemm": dense * tokens * (1 + recompute_fwd / 3) / dense_rate,
-        "expert_gemm": expert * tokens * (1 + (1 if regime in ("full", "selective") else 0) / 3) / expert_rate,
+        # forward + backward (3 forwards' worth), one forward more under AC (selective recomputes the routed
+        # experts too) and one more with moe_chunk_tokens (each chunk's backward re-runs it)
+        "expert_gemm": expert * tokens * (1 + ((regime in ("full", "selective")) + (ctx.expert_share < 1)) / 3)
+        / expert_rate,
         "lm_head_ce": gpu.fused_ce_s_per_token * tokens * heads * (vocab / 154880) * (d / 4096),
         "kda": n_kda * tokens * args.linear_num_heads / tp * (gpu.kda_fwd_bwd_s_per_token_head
                                                                + recompute_fwd * gpu.kda_fwd_s_per_token_head),
