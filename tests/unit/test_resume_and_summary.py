@@ -30,6 +30,8 @@ def test_resume_mismatches_name_the_key_and_both_values():
     assert resume_mismatches(saved, _info("--model.vocab_size", "1024")) == ["model.vocab_size was 512, is 1024"]
     assert resume_mismatches(saved, _info("--optimizer.name", "AdamW8bit")) == [
         "optimizer.name was 'AdamW', is 'AdamW8bit'"]
+    assert resume_mismatches(_info("--loss.indexer_stage", "dense_warmup"), saved) == [
+        "loss.indexer_stage was 'dense_warmup', is 'sparse'"]
 
 
 def test_schedule_note_says_what_the_resumed_scheduler_does():

@@ -34,6 +34,9 @@ def _exact_keys(info: dict[str, Any]) -> dict[str, Any]:
            # each implementation has its own state layout (AdamW8bit's quantised moments, tensor lr): none loads
            # into another
            "optimizer.name": cfg.get("optimizer", {}).get("name"),
+           # the dense warm-up trains the indexer alone: its optimizer state and param groups are of other
+           # parameters than the sparse stage's (the next stage starts from its weights: initial_load_path)
+           "loss.indexer_stage": cfg.get("loss", {}).get("indexer_stage"),
            "model.flavor": cfg.get("model", {}).get("flavor"),
            "model.hf_config": cfg.get("model", {}).get("hf_config"),
            "tokenizer vocabulary size (data.tokenizer)": info.get("tokenizer_vocab_size")}
