@@ -38,6 +38,7 @@ import gc
 import hashlib
 import json
 import math
+import os
 import resource
 import statistics
 import sys
@@ -60,6 +61,7 @@ from torchtitan_glm.components.metrics import flops_per_token
 from torchtitan_glm.config import Float8Config
 from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8
 from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs, get_flavor
+from torchtitan_glm.models.glm5.args import FLAVORS
 from torchtitan_glm.models.glm5.hf_modeling import modeling_to_ours
 
 
@@ -423,6 +425,13 @@ def main() -> None:
                             ("--indexer-tile-elements", a.indexer_tile_elements, 0)):
         if value < low:
             p.error(f"{key} must be >= {low}, got {value}")
+    if a.docs > min(seq_lens) // 2:
+        p.error(f"--docs {a.docs}: a row of {min(seq_lens)} tokens holds at most {min(seq_lens) // 2} documents "
+                "of the 2 tokens a next-token label needs")
+    if a.flavor not in FLAVORS:
+        p.error(f"--flavor {a.flavor!r} is unknown; choose one of {sorted(FLAVORS)}")
+    if a.out and (os.path.isdir(a.out) or not os.path.isdir(os.path.dirname(os.path.abspath(a.out)))):
+        p.error(f"--out {a.out}: not a file in an existing folder (it is written after every run)")
     if recompute and not any(ac == "selective" for _, ac, _ in runs):
         p.error("--recompute-modules refines selective AC: no run in --runs is ':selective'")
     if a.offload_inputs and not any(ac in ("full", "auto") for _, ac, _ in runs):

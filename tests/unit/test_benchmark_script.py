@@ -140,6 +140,8 @@ def test_benchmark_against_transformers_refuses_train_scope():
     (("--seq-len", "4k"), "--seq-len"), (("--moe-chunk-tokens", "-3"), "--moe-chunk-tokens"),
     (("--recompute-modules", "kda", "--runs", "eager:none"), "--recompute-modules"),
     (("--offload-inputs", "--runs", "eager:selective"), "--offload-inputs"),
+    (("--seq-len", "128", "--docs", "65"), "--docs"), (("--flavor", "nosuch"), "--flavor"),
+    (("--out", "/nonexistent/folder/rows.json"), "--out"),
 ])
 def test_benchmark_bad_arguments_exit_2_naming_the_option(args, named):
     proc = _run("scripts/benchmark.py", "--flavor", "debug", *args, timeout=120)
