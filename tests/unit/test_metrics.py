@@ -165,3 +165,22 @@ def test_tensorboard_events_written_and_readable(tmp_path):
     assert not other.enabled and not os.path.exists(tmp_path / "r1")
     off = build_metrics_logger(cfg=MetricsConfig(), dump_folder=str(tmp_path / "off"), rank=0)
     assert not off.enabled and not os.path.exists(tmp_path / "off")
+
+
+def test_tensorboard_event_file_only_once_a_step_is_logged(tmp_path):
+    """A run that logs nothing (resumed at training.steps, or failed before its first step) leaves no event file;
+    the first logged step opens one; rank 1 and a disabled logger write nothing."""
+    from torchtitan_glm.components.metrics import TensorBoardLogger
+
+    idle = TensorBoardLogger(str(tmp_path / "idle"))
+    assert idle.enabled
+    idle.close()
+    assert not (tmp_path / "idle").exists()
+    tb = TensorBoardLogger(str(tmp_path / "tb"))
+    tb.log({"loss": 1.0}, 1)
+    tb.close()
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1
+    for off in (TensorBoardLogger(str(tmp_path / "r1"), rank=1), TensorBoardLogger(str(tmp_path / "off"), enable=False)):
+        off.log({"loss": 1.0}, 1)
+        off.close()
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "off").exists()

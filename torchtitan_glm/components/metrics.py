@@ -255,24 +255,26 @@ class DeviceMemoryMonitor:
 # ------------------------------------------------------------------------------------------ tensorboard
 class TensorBoardLogger:
     """Scalars to TensorBoard under `log_dir`; a no-op unless enabled and on rank 0 (or all_ranks, then each rank
-    writes to log_dir/rank_{rank})."""
+    writes to log_dir/rank_{rank}). The event file is opened at the first logged step, so a run that trains nothing
+    (it resumes at training.steps, or fails before its first step) leaves none behind."""
 
     def __init__(self, log_dir: str, *, enable: bool = True, rank: int = 0, all_ranks: bool = False) -> None:
         self.writer = None
-        if enable and (rank == 0 or all_ranks):
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.log_dir = os.path.join(log_dir, f"rank_{rank}") if all_ranks else log_dir
-            os.makedirs(self.log_dir, exist_ok=True)
-            self.writer = SummaryWriter(self.log_dir)
+        self._enabled = enable and (rank == 0 or all_ranks)
+        self.log_dir = os.path.join(log_dir, f"rank_{rank}") if all_ranks else log_dir
 
     @property
     def enabled(self) -> bool:
-        return self.writer is not None
+        return self._enabled
 
     def log(self, metrics: Mapping[str, float | int | torch.Tensor], step: int) -> None:
-        if self.writer is None:
+        if not self._enabled:
             return
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(self.log_dir, exist_ok=True)
+            self.writer = SummaryWriter(self.log_dir)
         for name, value in metrics.items():
             if value is not None:
                 self.writer.add_scalar(name, float(value), step)
@@ -285,6 +287,7 @@ class TensorBoardLogger:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        self._enabled = False
 
 
 def build_metrics_logger(*, cfg: MetricsConfig, dump_folder: str, rank: int) -> TensorBoardLogger:
