@@ -170,6 +170,7 @@ class _OptimizerState(Stateful):
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Equal param-group settings, tensors (torchao's tensor lr) and tuples (betas) included."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a.cpu(), b.cpu())
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
