@@ -67,7 +67,7 @@ def precision_line(training: Any, float8: Any = None, *, expert_modules: tuple[i
     reduce = _SHORT_DTYPE.get(training.mixed_precision_reduce, training.mixed_precision_reduce)
     line = f"{param} params, {reduce} reduce"
     if float8 is not None and float8.enable:
-        fp8, total = expert_modules or ((1, 1) if float8.moe_experts else (0, 1))
+        fp8, total = expert_modules if expert_modules is not None else (int(float8.moe_experts), 1)
         if total == 0:
             experts = "no routed experts"
         elif not float8.moe_experts:
@@ -165,7 +165,6 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
     host bytes activation_checkpoint.offload_inputs pins per rank (a row when > 0). `planned`, `planned_speed`: the
     planner's peak (activations included) and step time, rows when given."""
     from torchtitan_glm.components.metrics import count_params
-
     from torchtitan_glm.models.glm5.moe import GroupedExperts
 
     counts = count_params(args)

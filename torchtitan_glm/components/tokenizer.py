@@ -113,15 +113,16 @@ class HFTokenizer:
     def hf_files(self) -> dict[str, bytes]:
         """Its tokenizer.json and the side files found beside it, byte for byte."""
         folder = os.path.dirname(self.path)
+        files = {"tokenizer.json": self.path}
+        files.update({n: p for n in self.SIDE_FILES if os.path.isfile(p := os.path.join(folder, n))})
         out = {}
-        for name, path in [("tokenizer.json", self.path)] + [(n, os.path.join(folder, n)) for n in self.SIDE_FILES]:
-            if name == "tokenizer.json" or os.path.isfile(path):
-                try:
-                    with open(path, "rb") as f:
-                        out[name] = f.read()
-                except OSError as e:
-                    raise TokenizerError(f"data.tokenizer: cannot read {path} for the HF export: {e.strerror or e}") \
-                        from None
+        for name, path in files.items():
+            try:
+                with open(path, "rb") as f:
+                    out[name] = f.read()
+            except OSError as e:
+                raise TokenizerError(f"data.tokenizer: cannot read {path} for the HF export: {e.strerror or e}") \
+                    from None
         return out
 
 
