@@ -19,7 +19,8 @@ from torchtitan_glm.components import loss as losses
 from torchtitan_glm.components.checkpoint import CheckpointManager, list_checkpoints, step_dir
 from torchtitan_glm.components.cuda_alloc import default_alloc_conf
 from torchtitan_glm.components.data import build_dataloader
-from torchtitan_glm.components.errors import CheckpointError, NonFiniteError, is_expected, one_line, run_job
+from torchtitan_glm.components.errors import (CheckpointError, NonFiniteError, ResumeMismatchError, is_expected,
+                                              one_line, run_job)
 from torchtitan_glm.components.logs import device_memory, host_available_memory, init_logging, startup_summary
 from torchtitan_glm.components.lr_scheduler import build_lr_scheduler
 from torchtitan_glm.components.metrics import (
@@ -497,14 +498,14 @@ class Trainer:
         if saved is not None:
             mismatches = resume_mismatches(saved, self.run_info)
             if mismatches:
-                raise CheckpointError(
+                raise ResumeMismatchError(
                     f"cannot resume from {path}: {'; '.join(mismatches[:4])}"
                     + (f" (and {len(mismatches) - 4} more)" if len(mismatches) > 4 else "")
                     + "; an exact resume needs the same values: set them back, or start fresh with a new "
                     f"--job.dump_folder (--checkpoint.initial_load_path {path} starts it from these weights, with "
                     "fresh optimizer state)")
         if cfg.training.steps < step:
-            raise CheckpointError(
+            raise ResumeMismatchError(
                 f"training.steps={cfg.training.steps} is below the step of the checkpoint to resume, {path}: "
                 f"nothing to train. Raise --training.steps above {step} to continue, pick an earlier checkpoint with "
                 "--checkpoint.load_step, or start fresh with a new --job.dump_folder")

@@ -48,6 +48,13 @@ def _error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error")]
 
 
+def _without_rank(line: str) -> str:
+    """An expected error's line with the rank that reported it taken out ("error on rank 1: x" -> "error: x"); the
+    rank must be there, as in any job of several ranks."""
+    assert re.match(r"error on rank \d+: ", line), line
+    return re.sub(r"^error on rank \d+: ", "error: ", line)
+
+
 def _root_cause(stderr: str) -> str:
     """torchrun's 'Root Cause' section of its failure summary."""
     assert "Root Cause (first observed failure)" in stderr, stderr[-3000:]
@@ -64,7 +71,7 @@ def test_an_error_on_one_rank_ends_the_job_within_seconds_reported_once(tmp_path
     root = _root_cause(err)
     assert "rank      : 1 (local_rank: 1)" in root, "torchrun names the rank that failed first"
     if kind == "expected":
-        line = "error: injected: rank 1 cannot use its batch at step 3"
+        line = "error on rank 1: injected: rank 1 cannot use its batch at step 3"
         assert _error_lines(err) == [line], err[-3000:]
         assert f"traceback : {line}" in root  # the per-rank error file holds the one line
         assert PACKAGE_FRAME not in err + out, "an expected error prints no traceback"
@@ -103,14 +110,16 @@ def test_bad_data_stops_every_rank_before_training(tmp_path, make):
     assert code != 0 and seconds < 60
     assert not _losses(out), "the data is checked before the first step"
     lines = _error_lines(err)
-    assert len(lines) == 1 and lines[0].startswith(message), err[-3000:]
+    assert len(lines) == 1 and re.match(r"error on rank [01]: ", lines[0]), err[-3000:]
+    assert lines[0].split(": ", 1)[1].startswith(message.removeprefix("error: ")), err[-3000:]
     assert PACKAGE_FRAME not in err + out
 
 
 # --------------------------------------------------------------------------------------------- NaN / Inf
 NAN = FAST + ["--optimizer.lr", "1e4", "--checkpoint.enable", "true", "--checkpoint.interval", "1",
               "--checkpoint.keep_latest_k", "0", "--metrics.enable_tensorboard", "true"]
-NONFINITE = re.compile(r"^error: (?:non-finite (?P<what>.+?) at step (?P<step>\d+) \(training\.on_nonfinite='stop'\)|"
+NONFINITE = re.compile(r"^error on rank [01]: "
+                       r"(?:non-finite (?P<what>.+?) at step (?P<step>\d+) \(training\.on_nonfinite='stop'\)|"
                        r"3 steps in a row .* the last, step (?P<last>\d+),)")
 
 
@@ -220,14 +229,17 @@ def test_resume_explains_itself(tmp_path, reference_run, case):
     root = dump / "checkpoint"
     if case == "fewer_steps":
         code, out, err, _ = _run(SHORT + ["--training.steps", "5"], dump)
-        assert code != 0 and _error_lines(err) == [
+        assert code != 0 and "exitcode:2" in _root_cause(err).replace(" ", ""), err[-3000:]
+        assert [_without_rank(line) for line in _error_lines(err)] == [
             f"error: training.steps=5 is below the step of the checkpoint to resume, {root}/step-20: nothing to "
             "train. Raise --training.steps above 20 to continue, pick an earlier checkpoint with "
             "--checkpoint.load_step, or start fresh with a new --job.dump_folder"], err[-3000:]
     elif case == "seq_len":
         code, out, err, _ = _run(SHORT + ["--training.seq_len", "32"], dump)
         assert code != 0
-        lines = _error_lines(err)
+        # torchrun exits 1; the worker's 2 (a usage error, like a config error's) is in its summary
+        assert "exitcode:2" in _root_cause(err).replace(" ", ""), err[-3000:]
+        lines = [_without_rank(line) for line in _error_lines(err)]
         assert len(lines) == 1 and lines[0].startswith(
             f"error: cannot resume from {root}/step-20: training.seq_len was 64, is 32; an exact resume needs the "
             "same values"), err[-3000:]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from torchtitan_glm.components.data import build_dataloader, builtin_corpus_files
-from torchtitan_glm.components.errors import DataError
+from torchtitan_glm.components.errors import DataError, ResumeMismatchError
 from torchtitan_glm.components.tokenizer import ByteTokenizer
 from torchtitan_glm.config import DataConfig
 
@@ -124,12 +124,12 @@ def test_state_mismatch_is_rejected_naming_the_key(tmp_path):
     take(loader, 2)
     state = loader.state_dict()
     assert state["position"] == 8 and state["global_batch_rows"] == 4
-    with pytest.raises(DataError, match=r"training\.seq_len was 16, is 17"):
+    with pytest.raises(ResumeMismatchError, match=r"training\.seq_len was 16, is 17"):
         make_loader(cfg, seq_len=17).load_state_dict(state)
-    with pytest.raises(DataError, match=r"job\.seed was 0, is 1"):
+    with pytest.raises(ResumeMismatchError, match=r"job\.seed was 0, is 1"):
         make_loader(cfg, seq_len=16, seed=1).load_state_dict(state)
     other = DataConfig(source="jsonl", paths=[write_jsonl(tmp_path / "e.jsonl", numbered_docs(30))])
-    with pytest.raises(DataError, match=r"documents was 40, is 30.*data\.paths"):
+    with pytest.raises(ResumeMismatchError, match=r"documents was 40, is 30.*data\.paths"):
         make_loader(other, seq_len=16).load_state_dict(state)
     with pytest.raises(DataError, match="older version"):
         make_loader(cfg, seq_len=16).load_state_dict({"dp_rank_0": {"epoch": 0}})

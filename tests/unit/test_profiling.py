@@ -61,6 +61,29 @@ def test_profiling_off_writes_nothing(tmp_path, world_of_one):
     assert not (tmp_path / "profile_trace").exists()
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_second_profile_into_the_same_folder_keeps_the_first(tmp_path, rank, capsys):
+    """A re-run or a resume that profiles the same window writes beside the earlier files, never over them."""
+    from torchtitan_glm.components.profiling import StepProfiler
+    from torchtitan_glm.config import ProfilingConfig
+
+    cfg = ProfilingConfig(enable=True, start_step=3, steps=1, row_limit=3)
+    folder = tmp_path / "profile_trace"
+    written = []
+    for run in range(3):
+        prof = StepProfiler(cfg=cfg, dump_folder=str(tmp_path), rank=rank, device=torch.device("cpu"))
+        prof.begin(3)
+        torch.ones(8).add_(run)
+        assert prof.end(3)
+        written.append(sorted(p.name for p in folder.iterdir()))
+    traces = [f"rank{rank}_steps3-3.json.gz", f"rank{rank}_steps3-3.run2.json.gz", f"rank{rank}_steps3-3.run3.json.gz"]
+    tables = ["ops.txt", "ops.run2.txt", "ops.run3.txt"] if rank == 0 else []
+    assert written[-1] == sorted(traces + tables)
+    assert [len(w) for w in written] == [len(written[-1]) // 3 * n for n in (1, 2, 3)], "one new set per run"
+    if rank == 0:
+        assert "ops.run3.txt in" in capsys.readouterr().out.splitlines()[-1]
+
+
 @pytest.mark.parametrize("args, key", [
     (["--profiling.start_step", "4", "--profiling.steps", "2"], "profiling.start_step"),
     (["--profiling.steps", "0"], "profiling.steps"),

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchtitan_glm.components.errors import DataError
+from torchtitan_glm.components.errors import DataError, ResumeMismatchError
 from torchtitan_glm.components.tokenizer import ByteTokenizer
 from torchtitan_glm.config import DataConfig
 
@@ -420,17 +420,17 @@ class PackedDataLoader:
                              "with that version or start fresh with a new --job.dump_folder")
         where = self.stream.description
         if state_dict["row_len"] != self.stream.row_len:
-            raise DataError(f"cannot continue the data of the checkpoint: training.seq_len was "
+            raise ResumeMismatchError(f"cannot continue the data of the checkpoint: training.seq_len was "
                              f"{state_dict['row_len'] - 1}, is {self.stream.row_len - 1} (rows are seq_len + 1 "
                              "tokens); set it back")
         if state_dict["seed"] != self.seed:
-            raise DataError(f"cannot continue the data of the checkpoint: job.seed was {state_dict['seed']}, is "
+            raise ResumeMismatchError(f"cannot continue the data of the checkpoint: job.seed was {state_dict['seed']}, is "
                              f"{self.seed} (it orders the documents); set it back")
         if state_dict["data"] != self.stream.identity():
             was, now = state_dict["data"], self.stream.identity()
             diff = "; ".join(f"{k} was {was.get(k)}, is {now.get(k)}" for k in sorted({**was, **now})
                              if was.get(k) != now.get(k))
-            raise DataError(f"cannot continue the data of the checkpoint: the data ({where}) differs from the "
+            raise ResumeMismatchError(f"cannot continue the data of the checkpoint: the data ({where}) differs from the "
                              f"checkpoint's ({diff}); set data.source / data.paths / data.tokenizer / data.add_eos "
                              "back, or start fresh with a new --job.dump_folder")
         self.position = int(state_dict["position"])

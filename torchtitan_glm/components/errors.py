@@ -1,7 +1,9 @@
 """Expected errors, and the guard that ends a multi-rank job on one rank's error, within seconds, reporting it once.
 
 An expected error (config, data, tokenizer, checkpoint, HF weights, non-finite training) is printed as one line
-naming the thing to fix, without a traceback; any other exception prints its traceback. The first rank to fail
+naming the thing to fix (and, in a job of several ranks, the rank), without a traceback; any other exception prints
+its traceback. A configuration error, and a setting that cannot continue the checkpoint it resumes, exit 2 (a usage
+error, as before any process group starts); any other failure exits 1. The first rank to fail
 claims a key in the process group's store: the ranks that fail because of it (a collective whose peer is gone,
 the launcher's SIGTERM) stay quiet. The failing rank writes torchelastic's per-rank error file (torch's
 `errors.record`; torchrun's failure summary shows it), and every rank aborts its process group and exits without
@@ -24,13 +26,14 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 __all__ = [
-    "ExpectedError", "DataError", "TokenizerError", "CheckpointError", "NonFiniteError", "is_expected", "one_line",
-    "run_job", "EXIT_ERROR", "EXIT_INTERRUPTED",
+    "ExpectedError", "DataError", "TokenizerError", "CheckpointError", "ResumeMismatchError", "NonFiniteError",
+    "is_expected", "one_line", "run_job", "EXIT_ERROR", "EXIT_USAGE", "EXIT_INTERRUPTED",
 ]
 
 logger = logging.getLogger(__name__)
 
 EXIT_ERROR = 1
+EXIT_USAGE = 2  # what the config loader exits with: the command line or config asks for something impossible
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention for an interrupted command
 _FIRST_FAILURE_KEY = "torchtitan_glm/first_failed_rank"  # + the torchelastic restart count: one per attempt
 # A rank that fails because another one did waits this long before exiting (unless the launcher's SIGTERM ends it
@@ -40,6 +43,8 @@ _FOLLOWER_EXIT_DELAY_S = 2.0
 
 class ExpectedError(Exception):
     """A failure whose message says what to fix (a file, a key, a step): reported as one line, no traceback."""
+
+    exit_code = EXIT_ERROR
 
 
 class DataError(ExpectedError, ValueError):
@@ -54,6 +59,13 @@ class CheckpointError(ExpectedError, RuntimeError):
     """A checkpoint that cannot be saved, found, verified or resumed from (or HF weights that cannot be loaded)."""
 
 
+class ResumeMismatchError(ExpectedError, ValueError):
+    """This run's settings cannot continue the checkpoint it resumes (a changed setting, nothing left to train):
+    fixed on the command line, so it exits 2 like a config error."""
+
+    exit_code = EXIT_USAGE
+
+
 class NonFiniteError(ExpectedError, RuntimeError):
     """Training produced a non-finite loss or gradient norm (training.on_nonfinite)."""
 
@@ -64,6 +76,16 @@ def is_expected(e: BaseException) -> bool:
     from torchtitan_glm.models.glm5.args import ModelArgsError
 
     return isinstance(e, (ExpectedError, ConfigError, ModelArgsError))
+
+
+def _exit_code(e: BaseException) -> int:
+    """EXIT_USAGE for a config or model-argument error (also when found after start-up) and a resume mismatch."""
+    from torchtitan_glm.config import ConfigError
+    from torchtitan_glm.models.glm5.args import ModelArgsError
+
+    if isinstance(e, (ConfigError, ModelArgsError)):
+        return EXIT_USAGE
+    return getattr(e, "exit_code", EXIT_ERROR) if isinstance(e, ExpectedError) else EXIT_ERROR
 
 
 def one_line(e: BaseException) -> str:
@@ -100,7 +122,8 @@ class _Report:
     """What this rank does about its exception: report it (first failure) or follow quietly."""
 
     def __init__(self, e: BaseException) -> None:
-        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if several else 0
         self.interrupted = isinstance(e, KeyboardInterrupt)
         self.expected = is_expected(e)
         # Every rank gets the SIGINT: rank 0 says so, nobody waits for anybody.
@@ -110,10 +133,10 @@ class _Report:
         if self.interrupted:
             self.text = "interrupted: exiting now without saving" if self.rank == 0 else ""
         elif self.expected:
-            self.text = f"error: {one_line(e)}"
+            self.text = f"error{f' on rank {self.rank}' if several else ''}: {one_line(e)}"
         else:
             self.text = f"error on rank {self.rank}, unexpected:\n" + "".join(traceback.format_exception(e)).rstrip()
-        self.exit_code = EXIT_INTERRUPTED if self.interrupted else EXIT_ERROR
+        self.exit_code = EXIT_INTERRUPTED if self.interrupted else _exit_code(e)
 
 
 class _JobErrorHandler(ErrorHandler):

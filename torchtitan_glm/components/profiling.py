@@ -7,7 +7,8 @@ throughput window after it. Output under
 job.dump_folder/trace_folder: one Chrome trace per rank (rank<r>_steps<a>-<b>.json.gz, for chrome://tracing or
 Perfetto) and, on rank 0, ops.txt, the table of operators and kernels sorted by their own device time (host time
 on CPU), headed by the window's wall time and device busy time per step (device_busy_us). A host-bound step
-shows as busy time well below wall time.
+shows as busy time well below wall time. Nothing is overwritten: a run that profiles into a folder already holding
+these files (a re-run, a resume) writes rank<r>_steps<a>-<b>.run<n>.json.gz and ops.run<n>.txt, n = 2, 3, ...
 """
 
 from __future__ import annotations
@@ -80,6 +81,17 @@ class StepProfiler:
         self._prof.__enter__()
         self._t0 = time.perf_counter()
 
+    def _free_names(self) -> tuple[str, str]:
+        """This rank's trace path and the ops table's, with the first suffix ('', '.run2', ...) under which neither
+        exists yet: an earlier run's files in the folder are kept."""
+        for n in range(1, 10_000):
+            sfx = "" if n == 1 else f".run{n}"
+            trace = os.path.join(self.folder, f"rank{self.rank}_steps{self.first}-{self.last}{sfx}.json.gz")
+            ops = os.path.join(self.folder, f"ops{sfx}.txt")
+            if not os.path.exists(trace) and (self.rank != 0 or not os.path.exists(ops)):
+                return trace, ops
+        raise FileExistsError(f"{self.folder} holds 10,000 profiles of steps {self.first}-{self.last}")
+
     def end(self, step: int) -> bool:
         """Close the window after its last step: True when it did (the caller restarts its throughput window)."""
         if self._prof is None or step != self.last:
@@ -89,17 +101,18 @@ class StepProfiler:
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
         os.makedirs(self.folder, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(self.folder, f"rank{self.rank}_steps{self.first}-{self.last}.json.gz"))
+        trace, ops = self._free_names()
+        prof.export_chrome_trace(trace)
         if self.rank != 0:
             return True
         on_device = self.device.type == "cuda"
         busy_ms = device_busy_us(prof.events()) / 1e3 / self.cfg.steps
         self.summary = (f"profile: steps {self.first}-{self.last}, wall {wall_ms:.1f} ms/step"
                         + (f", device busy {busy_ms:.1f} ms/step ({100 * busy_ms / wall_ms:.0f}% of wall)"
-                           if on_device else "") + f"; trace and ops.txt in {self.folder}")
+                           if on_device else "") + f"; traces and {os.path.basename(ops)} in {self.folder}")
         table = prof.key_averages().table(
             sort_by="self_cuda_time_total" if on_device else "self_cpu_time_total", row_limit=self.cfg.row_limit)
-        with open(os.path.join(self.folder, "ops.txt"), "w") as f:
+        with open(ops, "w") as f:
             f.write(self.summary + "\n\n" + table + "\n")
         print(self.summary, flush=True)
         return True
