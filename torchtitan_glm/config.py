@@ -114,7 +114,10 @@ class ModelConfig(_Section):
     # Glm5ModelArgs fields the trainer sets from another key: what to set instead.
     DERIVED_KEYS: ClassVar[dict[str, str]] = {
         "dsa_attention": "is set by the trainer from loss.indexer_stage (\"dense_warmup\" runs DSA attention "
-                         "dense, \"sparse\" the top-k selection): set that key instead"}
+                         "dense, \"sparse\" the top-k selection): set that key instead",
+        "indexer_tile_elements": "is set by the trainer from loss.indexer_tile_elements: set that key instead",
+        "router_aux_loss_coef": "is the HF config's value, carried to exports unchanged; the trainer's auxiliary "
+                                "load-balancing loss is weighted by loss.seq_aux_loss_coeff: set that key instead"}
     name: str = "glm5"
     flavor: str = "debug"
     hf_config: str = ""
@@ -145,6 +148,9 @@ class ModelConfig(_Section):
         from torchtitan_glm.models.glm5.args import FLAVORS, ModelArgsError
 
         self._choice("name", ("glm5",))
+        if self.args.get("tie_word_embeddings"):
+            self._fail("tie_word_embeddings", "the LM head trains as its own weight (GLM-5.3-Flash is untied; a "
+                       "tied HF checkpoint loads with the head copied from the embedding): tying is not implemented")
         self._choice("flavor", sorted(FLAVORS))
         if self.hf_config:
             self._path_exists("hf_config", self.hf_config)
@@ -680,6 +686,15 @@ class JobConfig:
                 raise ConfigError("lr_scheduler.decay_ratio",
                                   f"wsd decay of round({lr.decay_ratio} * training.steps={tr.steps}) = {decay_steps} "
                                   f"steps must be >= 1 and fit after lr_scheduler.warmup_steps={lr.warmup_steps}")
+        args = self.model.model_args()
+        if tr.seq_len > args.max_position_embeddings:
+            raise ConfigError("training.seq_len", f"{tr.seq_len} tokens per row exceed the model's "
+                              f"max_position_embeddings={args.max_position_embeddings} (model.max_position_embeddings)")
+        if self.loss.mtp_weight == 0 and self.model.args.get("num_nextn_predict_layers", 0) > 0:
+            raise ConfigError("model.num_nextn_predict_layers",
+                              f"{self.model.args['num_nextn_predict_layers']} MTP layer(s) asked for, but "
+                              "loss.mtp_weight = 0 trains without the MTP layer (the trainer drops it): set "
+                              "loss.mtp_weight > 0, or leave model.num_nextn_predict_layers out")
         prof = self.profiling
         if prof.enable and prof.start_step + prof.steps - 1 > tr.steps:
             raise ConfigError("profiling.start_step",

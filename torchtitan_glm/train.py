@@ -29,7 +29,8 @@ from torchtitan_glm.components.metrics import (
 from torchtitan_glm.components.optimizer import build_optimizer, clip_grad_norm_
 from torchtitan_glm.components.outputs import check_output_folders
 from torchtitan_glm.components.profiling import StepProfiler
-from torchtitan_glm.components.resume import layout_note, precision_note, resume_mismatches, run_info, schedule_note
+from torchtitan_glm.components.resume import (layout_note, optimizer_note, precision_note, resume_mismatches, run_info,
+                                              schedule_note)
 from torchtitan_glm.components.signals import StopRequest
 from torchtitan_glm.components.step_stats import PendingStep, StepStats, optimizer_step, supports_device_skip
 from torchtitan_glm.components.tokenizer import build_tokenizer, check_vocab_fits
@@ -498,12 +499,15 @@ class Trainer:
         if saved is not None:
             mismatches = resume_mismatches(saved, self.run_info)
             if mismatches:
+                # the weights fit this model unless a model argument (or the vocabulary) changed
+                same_weights = not any(m.startswith(("model.", "tokenizer", "loss.mtp_weight"))
+                                       and not m.startswith("model.kpool_ape_trainable") for m in mismatches)
                 raise ResumeMismatchError(
                     f"cannot resume from {path}: {'; '.join(mismatches[:4])}"
                     + (f" (and {len(mismatches) - 4} more)" if len(mismatches) > 4 else "")
                     + "; an exact resume needs the same values: set them back, or start fresh with a new "
-                    f"--job.dump_folder (--checkpoint.initial_load_path {path} starts it from these weights, with "
-                    "fresh optimizer state)")
+                    "--job.dump_folder" + (f" (--checkpoint.initial_load_path {path} starts it from these weights, "
+                                           "with fresh optimizer state)" if same_weights else ""))
         if cfg.training.steps < step:
             raise ResumeMismatchError(
                 f"training.steps={cfg.training.steps} is below the step of the checkpoint to resume, {path}: "
@@ -513,6 +517,11 @@ class Trainer:
             if self.rank == 0:
                 logger.info("training is complete: the checkpoint %s is at training.steps=%d; nothing to do (raise "
                             "--training.steps to train further)", path, step)
+                changed = [n for n in (precision_note(saved, self.run_info), optimizer_note(saved, self.run_info, step))
+                           if n] if saved is not None else []
+                if changed:
+                    logger.warning("this run's settings differ from the checkpoint's and trained nothing: %s; to "
+                                   "train with them, use a new --job.dump_folder", "; ".join(changed))
             return step
         note = schedule_note(saved, self.run_info, step) if saved is not None else None
         ck.load(step)
@@ -520,9 +529,11 @@ class Trainer:
                               f"{cfg.training.steps}; to start fresh instead, use a new --job.dump_folder")
         changed = layout_note(saved, self.run_info, next_row=self.dataloader.position) if saved is not None else None
         precision = precision_note(saved, self.run_info) if saved is not None else None
+        optim = optimizer_note(saved, self.run_info, step) if saved is not None else None
+        self.logger.purge_from(step + 1)  # TensorBoard hides an earlier run's events past the resume step
         if self.rank == 0:
             logger.info(self._resume_state)
-            for line in (note, changed, precision):
+            for line in (note, changed, precision, optim):
                 if line:
                     logger.warning(line)
         return step

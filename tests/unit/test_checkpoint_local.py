@@ -15,7 +15,7 @@ from torch import nn
 
 from torchtitan_glm.config import CheckpointConfig
 from torchtitan_glm.components.checkpoint import CheckpointManager, NonFiniteError, list_checkpoints, step_dir
-from torchtitan_glm.components.errors import CheckpointError
+from torchtitan_glm.components.errors import CheckpointError, ResumeMismatchError
 
 from tests.distributed._ckpt_worker import _train  # one training loop for the local and the torchrun tests
 
@@ -210,6 +210,27 @@ def test_initial_load_from_dcp_is_model_only(tmp_path):
         assert torch.equal(pa, pb)
 
 
+def test_initial_load_into_another_model_names_what_does_not_fit(tmp_path):
+    """Weights of another architecture (e.g. a run with model.hc_head = "learned", whose head has parameters) stop
+    in one line naming the tensors, not in DCP's multi-kilobyte traceback."""
+    src = _build(seed=0)
+    _manager(tmp_path / "src", src).save(1)
+    path = step_dir(str(tmp_path / "src" / "checkpoint"), 1)
+    model, opt, sched, dl = _build(seed=1)
+    model.append(nn.Linear(2, 3))  # a tensor the checkpoint lacks
+    model[0] = nn.Linear(8, 16, bias=False)  # one it holds that this model lacks
+    model[3] = nn.Linear(16, 4)  # other shapes
+    opt = torch.optim.AdamW(model.parameters())
+    mgr = _manager(tmp_path / "dst", (model, opt, sched, dl), _Cfg(initial_load_path=path))
+    with pytest.raises(CheckpointError) as info:
+        mgr.load()
+    text = str(info.value)
+    assert "\n" not in text and len(text) < 600, text
+    assert text.startswith(f"checkpoint.initial_load_path {path} does not fit this model: it lacks 2 of this "
+                           "model's tensors (e.g. 4.bias, 4.weight); it holds 1 tensors this model does not have "
+                           "(e.g. 0.bias); 2 tensors differ in shape (e.g. 3.bias: saved [2], this model [4])"), text
+
+
 def test_hf_hooks(tmp_path):
     calls = []
     root = tmp_path / "checkpoint"
@@ -305,6 +326,11 @@ def test_flipped_bytes_in_the_newest_checkpoint_fall_back_to_the_previous_one(tm
     # Asked for explicitly, the corrupt one is an error naming it, not a silent fallback.
     with pytest.raises(CheckpointError, match=rf"checkpoint.load_step=4: checkpoint {root / 'step-4'} is corrupt"):
         _manager(tmp_path, _build(seed=2), _Cfg(load_step=4)).load()
+    # Rewinding to step 2 would save over step-4 as the run trains: refused until it is moved away.
+    with pytest.raises(ResumeMismatchError, match=r"checkpoint.load_step=2 rewinds past the newer checkpoints "
+                                                  r".*step-4, which this run would overwrite"):
+        _manager(tmp_path, _build(seed=3), _Cfg(load_step=2)).load()
+    shutil.move(root / "step-4", tmp_path / "step-4")
     assert _manager(tmp_path, _build(seed=3), _Cfg(load_step=2)).load() == 2
 
 
@@ -346,16 +372,20 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
     assert sorted(os.listdir(root)) == before == ["step-1"], "the good checkpoint must survive"
 
 
-def test_keep_latest_k_never_prunes_newer_checkpoints(tmp_path):
-    """A run resumed from an earlier checkpoint (load_step) prunes only what is older than its own save."""
+def test_a_rewind_never_overwrites_or_prunes_newer_checkpoints(tmp_path):
+    """checkpoint.load_step before newer checkpoints is refused, naming them (the run would save over them); a
+    save before newer checkpoints (e.g. after resuming from an older one because the newer are corrupt) prunes
+    only what is older than itself."""
     root = str(tmp_path / "checkpoint")
     parts = _build(seed=0)
     mgr = _manager(tmp_path, parts, _Cfg(keep_latest_k=3))
     for s in (2, 4, 6):
         mgr.save(s)
-    again = _build(seed=1)
-    mgr2 = _manager(tmp_path, again, _Cfg(keep_latest_k=1, load_step=2))
-    assert mgr2.load() == 2
+    with pytest.raises(ResumeMismatchError, match=r"load_step=2 rewinds past the newer checkpoints .*step-4, "
+                                                  r".*step-6, which .* move them out of"):
+        _manager(tmp_path, _build(seed=1), _Cfg(keep_latest_k=1, load_step=2)).load()
+    assert list_checkpoints(root) == [2, 4, 6]
+    mgr2 = _manager(tmp_path, _build(seed=1), _Cfg(keep_latest_k=1))
     assert mgr2.save(3) and list_checkpoints(root) == [3, 4, 6]
 
 
@@ -382,22 +412,25 @@ def test_a_failed_save_is_one_line_and_leaves_no_partial_folder(tmp_path, monkey
 
 
 def test_optimizer_groups_of_another_layout_are_laid_over_this_partition():
-    """checkpoint.regroup: each current group takes the settings of the saved groups that held its parameters (its
-    own when none did), whatever the two partitions; saved groups that disagree for one current group are an error."""
+    """checkpoint.regroup: each current group keeps its own settings (this run's [optimizer]) and takes the LR
+    settings of the saved groups that held its parameters (its own when none did), whatever the two partitions;
+    saved groups whose LR settings disagree for one current group are an error."""
     from torchtitan_glm.components.checkpoint import regroup
 
-    loaded = [{"params": ["a", "b"], "lr": 1.0, "weight_decay": 0.1, "betas": (0.9, 0.95)},
-              {"params": ["c"], "lr": 1.0, "weight_decay": 0.0, "betas": (0.9, 0.95)},
-              {"params": ["d"], "lr": 1.0, "weight_decay": 0.1, "betas": (0.9, 0.95)}]
-    mine = {"lr": 2.0, "weight_decay": 0.5, "betas": (0.8, 0.9)}
-    current = [{"params": ["a"], **mine}, {"params": ["b", "d"], **mine}, {"params": ["c"], **mine},
-               {"params": ["e"], **mine}]
+    loaded = [{"params": ["a", "b"], "lr": 1.0, "initial_lr": 3.0, "weight_decay": 0.1, "betas": (0.9, 0.95)},
+              {"params": ["c"], "lr": 1.0, "initial_lr": 3.0, "weight_decay": 0.0, "betas": (0.9, 0.95)},
+              {"params": ["d"], "lr": 1.0, "initial_lr": 3.0, "weight_decay": 0.1, "betas": (0.9, 0.95)}]
+    mine = {"lr": 2.0, "initial_lr": 2.0, "betas": (0.8, 0.9), "eps": 1e-6, "foreach": True}
+    current = [{"params": ["a"], "weight_decay": 0.5, **mine}, {"params": ["b", "d"], "weight_decay": 0.5, **mine},
+               {"params": ["c"], "weight_decay": 0.0, **mine}, {"params": ["e"], "weight_decay": 0.5, **mine}]
+    lr_saved = {"lr": 1.0, "initial_lr": 3.0}
     assert regroup(loaded, current) == [
-        {"params": ["a"], "lr": 1.0, "weight_decay": 0.1, "betas": (0.9, 0.95)},
-        {"params": ["b", "d"], "lr": 1.0, "weight_decay": 0.1, "betas": (0.9, 0.95)},
-        {"params": ["c"], "lr": 1.0, "weight_decay": 0.0, "betas": (0.9, 0.95)},
-        {"params": ["e"], **mine}]
-    with pytest.raises(CheckpointError, match=r"disagree on \['weight_decay'\]"):
-        regroup(loaded, [{"params": ["a", "c"], **mine}])
+        {"params": ["a"], "weight_decay": 0.5, **mine, **lr_saved},
+        {"params": ["b", "d"], "weight_decay": 0.5, **mine, **lr_saved},
+        {"params": ["c"], "weight_decay": 0.0, **mine, **lr_saved},
+        {"params": ["e"], "weight_decay": 0.5, **mine}]
+    loaded[2]["lr"] = 0.5
+    with pytest.raises(CheckpointError, match=r"disagree on \['lr'\]"):
+        regroup(loaded, [{"params": ["a", "d"], **mine}])
     tensor_lr = [{"params": ["a"], "lr": torch.tensor(1.0)}, {"params": ["b"], "lr": torch.tensor(1.0)}]
     assert regroup(tensor_lr, [{"params": ["a", "b"], "lr": torch.tensor(3.0)}])[0]["lr"] == 1.0  # torchao's tensor lr

@@ -14,6 +14,7 @@ from tests.distributed.test_train import ROOT
 _SCRIPT = textwrap.dedent("""
     import sys
     from torchtitan_glm.components.errors import CheckpointError, DataError, ResumeMismatchError, run_job
+    from torchtitan_glm.components.tokenizer import ByteTokenizer, check_vocab_fits
     from torchtitan_glm.config import ConfigError
     from torchtitan_glm.models.glm5.args import ModelArgsError
 
@@ -25,6 +26,8 @@ _SCRIPT = textwrap.dedent("""
               "unexpected": RuntimeError("boom")}
 
     def fail():
+        if sys.argv[1] == "vocab":
+            check_vocab_fits(ByteTokenizer(), vocab_size=100, model="model.vocab_size")
         raise errors[sys.argv[1]]
 
     run_job(fail)
@@ -38,6 +41,8 @@ _SCRIPT = textwrap.dedent("""
     ("checkpoint", 1, "error: checkpoint /x is corrupt"),
     ("data", 1, "error: /d.jsonl:3: invalid JSON"),
     ("unexpected", 1, "error on rank 0, unexpected:"),
+    ("vocab", 2, "error: data.tokenizer byte has 259 tokens but the model (model.vocab_size) has vocab_size 100: use "
+                 "a tokenizer that fits or a model with a larger vocab_size"),
 ])
 def test_exit_code_and_line_by_kind(kind, code, line):
     """A setting to change (config, model argument, a resume the settings cannot continue) exits 2, as the config

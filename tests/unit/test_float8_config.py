@@ -49,6 +49,15 @@ def test_float8_defaults_are_the_serving_split():
     (["--model.topk_method", "garbage"], "model.topk_method"),
     # the flavor alone is valid, so a lone override that breaks a rule elsewhere is the key to name
     (["--model.index_kpool", "3"], "model.index_kpool"),
+    # accepted before and without effect (or, for tying, exported as tied while trained untied)
+    (["--model.tie_word_embeddings", "true"], "model.tie_word_embeddings"),
+    (["--model.index_kpool_compress", "false"], "model.index_kpool_compress"),
+    (["--model.index_share_for_mtp_iteration", "false"], "model.index_share_for_mtp_iteration"),
+    (["--model.router_aux_loss_coef", "0.5"], "model.router_aux_loss_coef"),  # the trainer's: loss.seq_aux_loss_coeff
+    (["--training.seq_len", "128", "--model.max_position_embeddings", "16"], "training.seq_len"),
+    # set by the trainer from [loss]: accepted before, then overridden without a word
+    (["--model.indexer_tile_elements", "4096"], "model.indexer_tile_elements"),
+    (["--loss.mtp_weight", "0", "--model.num_nextn_predict_layers", "1"], "model.num_nextn_predict_layers"),
 ])
 def test_bad_keys_name_themselves(argv, key):
     with pytest.raises(ConfigError) as info:

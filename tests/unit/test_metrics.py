@@ -184,3 +184,27 @@ def test_tensorboard_event_file_only_once_a_step_is_logged(tmp_path):
         off.log({"loss": 1.0}, 1)
         off.close()
     assert not (tmp_path / "r1").exists() and not (tmp_path / "off").exists()
+
+
+def test_a_resumed_runs_events_replace_the_earlier_runs_from_its_first_step(tmp_path):
+    """A rewound or re-run range shows once in TensorBoard: the resumed run's event file purges what the earlier
+    file holds from the resume step on (read back the way TensorBoard reads them)."""
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from torchtitan_glm.components.metrics import TensorBoardLogger
+
+    first = TensorBoardLogger(str(tmp_path))
+    for step in range(1, 7):
+        first.log({"loss": float(step)}, step)
+    first.close()
+    time.sleep(1.1)  # event files are named by the second they open in
+    again = TensorBoardLogger(str(tmp_path))
+    again.purge_from(4)
+    for step in (4, 5):
+        again.log({"loss": 10.0 * step}, step)
+    again.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]

@@ -58,3 +58,22 @@ def test_train_exits_2_before_training(tmp_path):
     res = subprocess.run([sys.executable, "train.py", "--config", "train_configs/debug_model.toml",
                           f"--job.dump_folder={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "checkpoint.folder" in res.stderr and "step 1" not in res.stdout, res.stderr[-2000:]
+
+
+def test_an_existing_final_export_stops_the_run_before_training(tmp_path):
+    """A re-run whose final HF export folder is taken (e.g. a model-only last save, so no checkpoint finds the run
+    complete) used to train from scratch and then fail at the export, its weights lost."""
+    export_only = ["--training.steps", "7", "--checkpoint.last_save_in_hf", "true",
+                   "--checkpoint.last_save_model_only", "true"]
+    check_output_folders(_cfg(tmp_path, *export_only))
+    export = tmp_path / "checkpoint" / "hf-step-7"
+    export.mkdir(parents=True)
+    check_output_folders(_cfg(tmp_path, *export_only))  # an empty folder is written into
+    (export / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(ConfigError) as info:
+        check_output_folders(_cfg(tmp_path, *export_only))
+    assert info.value.key == "checkpoint.last_save_in_hf" and str(export) in str(info.value)
+    check_output_folders(_cfg(tmp_path, *export_only[:2]))  # no final export asked for
+    check_output_folders(_cfg(tmp_path, "--training.steps", "9", *export_only[2:]))  # another step's export
+    (tmp_path / "checkpoint" / "step-7").mkdir()
+    check_output_folders(_cfg(tmp_path, *export_only))  # the run is complete: it writes nothing

@@ -10,14 +10,17 @@ import torch
 
 from torchtitan_glm.components.logs import memory_per_rank, startup_summary
 from torchtitan_glm.components.lr_scheduler import build_lr_scheduler
-from torchtitan_glm.components.resume import precision_note, resume_mismatches, run_info, schedule_note
+from torchtitan_glm.components.resume import (optimizer_note, precision_note, resume_mismatches, run_info,
+                                              schedule_note)
 from torchtitan_glm.config import load_config
 from torchtitan_glm.models.glm5 import Glm5Model, get_flavor
 
 
 def _info(*argv: str) -> dict:
+    from torchtitan_glm.train import build_model_args
+
     cfg = load_config(["--config", "train_configs/debug_model.toml", *argv])
-    return run_info(cfg=cfg, args=cfg.model.model_args(), tokenizer_vocab_size=259)
+    return run_info(cfg=cfg, args=build_model_args(cfg), tokenizer_vocab_size=259)
 
 
 def test_resume_mismatches_name_the_key_and_both_values():
@@ -91,6 +94,43 @@ def test_precision_note_names_the_change_both_ways():
     assert precision_note(fp8, _info("--float8.enable", "true")) is None
     # a float8 key changed while float8 stays off computes nothing differently
     assert precision_note(bf16, _info("--float8.recipe", "rowwise")) is None
+
+
+def test_optimizer_note_names_the_changed_settings():
+    saved = _info()
+    assert optimizer_note(saved, _info(), 10) is None
+    assert optimizer_note(saved, _info("--optimizer.lr", "1e-3"), 10) is None  # the LR has its own note
+    note = optimizer_note(saved, _info("--optimizer.weight_decay", "0.5", "--optimizer.beta1", "0.8"), 10)
+    assert note == ("the optimizer settings changed since the checkpoint (optimizer.beta1 0.9 -> 0.8, "
+                    "optimizer.weight_decay 0.1 -> 0.5): its moments carry over and the new settings apply from "
+                    "step 11")
+
+
+def test_a_resume_applies_this_runs_optimizer_settings(tmp_path, world_of_one, caplog):
+    """The checkpoint keeps the moments and the LR; betas, eps, weight decay and the implementation are this run's
+    (before, the checkpoint's param groups replaced them without a word)."""
+    import torch.distributed as dist
+
+    from torchtitan_glm.train import Trainer
+
+    argv = ["--config", "train_configs/debug_model.toml", "--training.seq_len", "32", "--training.local_batch_size",
+            "1", "--checkpoint.interval", "2", "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps",
+            "1", f"--job.dump_folder={tmp_path}"]
+    Trainer(load_config([*argv, "--training.steps", "2"])).train()
+    dist.destroy_process_group()
+    changed = ["--optimizer.weight_decay", "0.5", "--optimizer.beta1", "0.5", "--optimizer.eps", "1e-4",
+               "--optimizer.implementation", "for-loop"]
+    with caplog.at_level("WARNING", logger="torchtitan_glm.train"):
+        trainer = Trainer(load_config([*argv, "--training.steps", "3", *changed]))
+        trainer.train()
+    groups = trainer.optimizer.param_groups
+    assert {g["weight_decay"] for g in groups} == {0.5, 0.0}
+    assert all(g["betas"] == (0.5, 0.95) and g["eps"] == 1e-4 and not g["foreach"] and not g["fused"]
+               for g in groups)
+    assert [r.getMessage() for r in caplog.records if "optimizer settings changed" in r.getMessage()] == [
+        "the optimizer settings changed since the checkpoint (optimizer.beta1 0.9 -> 0.5, optimizer.eps 1e-08 -> "
+        "0.0001, optimizer.weight_decay 0.1 -> 0.5, optimizer.implementation 'auto' -> 'for-loop'): its moments "
+        "carry over and the new settings apply from step 3"]
 
 
 def test_startup_summary_counts_this_ranks_state():
@@ -198,3 +238,29 @@ def test_compute_line_names_compile_and_the_ac_choices():
                        "--activation_checkpoint.moe_chunk_tokens", "8192"])
     assert compute_line(cfg) == ("torch.compile inductor (model, loss); activation checkpointing selective, "
                                  "recompute_modules kda, mhc, routed experts in checkpointed chunks of 8,192 tokens")
+
+
+def test_a_precision_control_resumes_with_a_note_and_a_parameter_change_does_not():
+    """The model's precision controls add no parameter: a resume across them carries everything over and says so.
+    hc_head (a learned head has parameters) and kpool_ape_trainable (another set of trained parameters) still
+    need the same values."""
+    saved = _info()
+    for knob in ("mhc_fp32_mixing", "kpool_fp32_accumulate", "indexer_weights_fp32", "indexer_k_norm_fp32",
+                 "indexer_fp8_emulation"):
+        now = _info(f"--model.{knob}", "true")
+        assert resume_mismatches(saved, now) == [], knob
+        assert precision_note(saved, now) == (f"the compute precision changed since the checkpoint (model.{knob} "
+                                              "False -> True): the weights and optimizer state carry over unchanged")
+    assert resume_mismatches(saved, _info("--model.hc_head", "learned")) == ["model.hc_head was 'mean', is 'learned'"]
+    assert resume_mismatches(saved, _info("--model.kpool_ape_trainable", "false")) == [
+        "model.kpool_ape_trainable was True, is False"]
+    both = precision_note(saved, _info("--float8.enable", "true", "--model.mhc_fp32_mixing", "true"))
+    assert both is not None and "float8.enable False -> True, model.mhc_fp32_mixing False -> True" in both
+    assert "from here on FP8 tensorwise" in both
+
+
+def test_resume_names_the_loss_key_behind_a_derived_model_argument():
+    saved = _info()
+    assert resume_mismatches(saved, _info("--loss.indexer_tile_elements", "4096")) == []  # memory only
+    assert resume_mismatches(saved, _info("--loss.mtp_weight", "0")) == [
+        "loss.mtp_weight was 0.1, is 0.0 (0 trains without the MTP layer: model.num_nextn_predict_layers was 1, is 0)"]

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from torchtitan_glm.components.errors import CheckpointError, NonFiniteError, one_line
+from torchtitan_glm.components.errors import CheckpointError, NonFiniteError, ResumeMismatchError, one_line
 from torchtitan_glm.float8 import plain_tensors
 
 __all__ = ["CheckpointManager", "list_checkpoints", "step_dir", "MANIFEST", "RUN_INFO"]
@@ -178,20 +178,26 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+# Param-group settings a resume takes from the checkpoint: the LR schedule's (the resumed scheduler continues from
+# them). Every other setting (betas, eps, weight_decay, the implementation flags) is this run's [optimizer]: a
+# changed one applies from the resume step on, and the trainer says so (resume.optimizer_note).
+_SAVED_GROUP_KEYS = ("lr", "initial_lr")
+
+
 def regroup(loaded: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`current`'s partition of parameter FQNs, each group with the settings of the loaded groups that held its
-    parameters (its own when none did). CheckpointError when those loaded groups disagree."""
+    """`current`'s partition of parameter FQNs and settings, each group with the LR settings (_SAVED_GROUP_KEYS) of
+    the loaded groups that held its parameters (its own when none did). CheckpointError when those disagree."""
     owner = {fqn: g for g in loaded for fqn in g["params"]}
     out = []
     for cur in current:
         sources = list({id(owner[f]): owner[f] for f in cur["params"] if f in owner}.values()) or [cur]
-        settings = [{k: v for k, v in g.items() if k != "params"} for g in sources]
-        for other in settings[1:]:
-            keys = [k for k in settings[0] if not _same(settings[0][k], other.get(k))]
+        saved = [{k: g[k] for k in _SAVED_GROUP_KEYS if k in g} for g in sources]
+        for other in saved[1:]:
+            keys = [k for k in saved[0] if not _same(saved[0][k], other.get(k))]
             if keys:
                 raise CheckpointError(f"the checkpoint's optimizer param groups disagree on {keys} for parameters "
                                       f"that now share one group (e.g. {cur['params'][0]})")
-        out.append({**settings[0], "params": list(cur["params"])})
+        out.append({**cur, **saved[0], "params": list(cur["params"])})
     return out
 
 
@@ -474,7 +480,8 @@ class CheckpointManager:
         return None
 
     def resume_step(self) -> int | None:
-        """The step to resume from, verified: cfg.load_step if set (CheckpointError if it does not verify), else
+        """The step to resume from, verified: cfg.load_step if set (CheckpointError if it does not verify,
+        ResumeMismatchError if newer checkpoints would be overwritten), else
         the newest checkpoint that verifies (newer corrupt or incomplete ones reported in one line), else None
         (none, or checkpointing off). CheckpointError if there are checkpoints but none verifies. Collective."""
         explicit = getattr(self.cfg, "load_step", -1)
@@ -483,6 +490,12 @@ class CheckpointManager:
             if problem:
                 raise CheckpointError(f"checkpoint.load_step={explicit}: checkpoint {step_dir(self.root, explicit)} "
                                       f"{problem}")
+            newer = [step_dir(self.root, s) for s in self._shared(_step_folders(self.root)) if s > explicit]
+            if newer:  # training on from an earlier step would save over them
+                raise ResumeMismatchError(
+                    f"checkpoint.load_step={explicit} rewinds past the newer checkpoints {', '.join(newer)}, which this "
+                    f"run would overwrite as it trains: move them out of {self.root} to keep them and rewind, or "
+                    "unset checkpoint.load_step to resume from the newest")
             return explicit
         if not self.cfg.enable:
             return None
@@ -586,15 +599,43 @@ class CheckpointManager:
             if problem:
                 raise CheckpointError(f"checkpoint.initial_load_path {path} {problem}")
         try:
-            keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.keys()
-            if any(k.startswith(_MODEL + ".") for k in keys):
+            meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+            keys = meta.keys()
+            ours = any(k.startswith(_MODEL + ".") for k in keys)
+            misfit = _model_misfit(self.model, meta, prefix=_MODEL + "." if ours else "")
+            if misfit:
+                raise CheckpointError(f"checkpoint.initial_load_path {path} does not fit this model: {misfit}; its "
+                                      f"run's model arguments ({RUN_INFO} beside it) differ from this run's")
+            if ours:
                 dcp.load({_MODEL: _ModelState(self.model)}, checkpoint_id=path, **self._dcp_kw)
             else:
                 sd = get_model_state_dict(self.model)
                 dcp.load(sd, checkpoint_id=path, **self._dcp_kw)
                 set_model_state_dict(self.model, sd)
+        except CheckpointError:
+            raise
         except _ERRORS as e:
-            raise CheckpointError(f"failed to load model weights from {path}: {e}") from e
+            raise CheckpointError(f"failed to load model weights from {path}: {one_line(e)}") from e
+
+
+def _model_misfit(model: nn.Module, meta: dict[str, Any], *, prefix: str) -> str | None:
+    """What keeps a saved model state dict (DCP metadata, keys under `prefix`) from loading into `model`: the
+    parameters and buffers it lacks, those this model lacks, and shapes that differ (None: it fits)."""
+    want = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
+    have = {k[len(prefix):]: tuple(v.size) for k, v in meta.items()
+            if k.startswith(prefix) and hasattr(v, "size")}
+    missing = sorted(set(want) - set(have))
+    extra = sorted(set(have) - set(want))
+    shapes = sorted(k for k in set(want) & set(have) if want[k] != have[k])
+    parts = []
+    if missing:
+        parts.append(f"it lacks {len(missing)} of this model's tensors (e.g. {', '.join(missing[:3])})")
+    if extra:
+        parts.append(f"it holds {len(extra)} tensors this model does not have (e.g. {', '.join(extra[:3])})")
+    if shapes:
+        parts.append(f"{len(shapes)} tensors differ in shape (e.g. {shapes[0]}: saved {list(have[shapes[0]])}, "
+                     f"this model {list(want[shapes[0]])})")
+    return "; ".join(parts) or None
 
 
 def _manifest_or_problem(folder: str) -> dict[str, Any] | str:

@@ -46,6 +46,12 @@ class ExpectedError(Exception):
 
     exit_code = EXIT_ERROR
 
+    def __init__(self, *args: Any, usage: bool = False) -> None:
+        """usage: the fix is a setting (a config key or the command line), so the process exits 2 (EXIT_USAGE)."""
+        super().__init__(*args)
+        if usage:
+            self.exit_code = EXIT_USAGE
+
 
 class DataError(ExpectedError, ValueError):
     """A problem with the training data (data.paths, data.source, ...)."""
@@ -175,7 +181,8 @@ def run_job(fn: Callable[[], Any]) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):  # a launcher's SIGTERM now ends us at once
             signal.signal(sig, signal.SIG_DFL)
         if report.first and report.text:
-            print(report.text, file=sys.stderr, flush=True)
+            sys.stderr.write(report.text + "\n")  # one write: print's separate newline could land after another
+            sys.stderr.flush()                     # rank's output on the shared stream
         elif report.rank == 0:
             logger.info("stopping because rank %s failed (that rank reports the error)", report.first_rank)
         _abort_process_group()

@@ -256,12 +256,19 @@ class DeviceMemoryMonitor:
 class TensorBoardLogger:
     """Scalars to TensorBoard under `log_dir`; a no-op unless enabled and on rank 0 (or all_ranks, then each rank
     writes to log_dir/rank_{rank}). The event file is opened at the first logged step, so a run that trains nothing
-    (it resumes at training.steps, or fails before its first step) leaves none behind."""
+    (it resumes at training.steps, or fails before its first step) leaves none behind; a resumed run's file purges
+    what earlier files hold from its first step on (purge_from)."""
 
     def __init__(self, log_dir: str, *, enable: bool = True, rank: int = 0, all_ranks: bool = False) -> None:
         self.writer = None
         self._enabled = enable and (rank == 0 or all_ranks)
         self.log_dir = os.path.join(log_dir, f"rank_{rank}") if all_ranks else log_dir
+        self._purge_step: int | None = None
+
+    def purge_from(self, step: int) -> None:
+        """A resumed run logs from `step` on: TensorBoard then hides the events of `step` and later that an earlier
+        run wrote into this folder (SummaryWriter's purge_step), so a rewound or re-run range shows once."""
+        self._purge_step = step
 
     @property
     def enabled(self) -> bool:
@@ -274,7 +281,7 @@ class TensorBoardLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             os.makedirs(self.log_dir, exist_ok=True)
-            self.writer = SummaryWriter(self.log_dir)
+            self.writer = SummaryWriter(self.log_dir, purge_step=self._purge_step)
         for name, value in metrics.items():
             if value is not None:
                 self.writer.add_scalar(name, float(value), step)

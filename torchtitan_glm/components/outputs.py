@@ -32,7 +32,7 @@ def _folder_problem(path: str) -> str | None:
 
 def check_output_folders(cfg: Any) -> None:
     """ConfigError naming the key whose folder (job.dump_folder, and under it the checkpoint, TensorBoard and
-    profiler folders the config turns on) cannot be created or written."""
+    profiler folders the config turns on) cannot be created or written, or whose final HF export already exists."""
     root = cfg.job.dump_folder
     folders = [("job.dump_folder", root)]
     if cfg.checkpoint.enable:
@@ -45,3 +45,20 @@ def check_output_folders(cfg: Any) -> None:
         problem = _folder_problem(path)
         if problem:
             raise ConfigError(key, problem)
+    _check_final_export(cfg)
+
+
+def _check_final_export(cfg: Any) -> None:
+    """ConfigError naming checkpoint.last_save_in_hf when the run's final HF export folder already holds files
+    and the run would train to it (no checkpoint of that step to find it complete): the export refuses to
+    overwrite them, so the run would fail after training, its weights lost with a model-only last save."""
+    ck = cfg.checkpoint
+    if not (ck.enable and ck.last_save_in_hf):
+        return
+    root = os.path.join(cfg.job.dump_folder, ck.folder)
+    steps = cfg.training.steps
+    export = os.path.join(root, f"hf-step-{steps}")
+    if os.path.isdir(export) and os.listdir(export) and not os.path.isdir(os.path.join(root, f"step-{steps}")):
+        raise ConfigError("checkpoint.last_save_in_hf",
+                          f"{export} already holds an HF export, and this run would write its final export of step "
+                          f"{steps} there after training: move it away, or use a new --job.dump_folder")

@@ -11,10 +11,14 @@ from typing import Any
 
 from torchtitan_glm.components.lr_scheduler import lr_factor
 
-__all__ = ["run_info", "resume_mismatches", "schedule_note", "layout_note", "precision_note"]
+__all__ = ["run_info", "resume_mismatches", "schedule_note", "layout_note", "precision_note", "optimizer_note"]
 
 # Model arguments that follow other settings and may change between stages without changing any parameter.
-_FREE_ARGS = ("dsa_attention", "dsa_dense_max_len")
+_FREE_ARGS = ("dsa_attention", "dsa_dense_max_len", "indexer_tile_elements")
+# Model arguments that change only what a module computes in (no parameter, no trainability): a resume across them
+# carries everything over, and precision_note says so.
+_PRECISION_ARGS = ("indexer_fp8_emulation", "mhc_fp32_mixing", "kpool_fp32_accumulate", "indexer_weights_fp32",
+                   "indexer_k_norm_fp32")
 
 
 def run_info(*, cfg: Any, args: Any, tokenizer_vocab_size: int, layout: str | None = None,
@@ -42,7 +46,7 @@ def _exact_keys(info: dict[str, Any]) -> dict[str, Any]:
            "tokenizer vocabulary size (data.tokenizer)": info.get("tokenizer_vocab_size")}
     if cfg.get("model", {}).get("hf_config"):
         out.pop("model.flavor")  # ignored when hf_config is set
-    out.update({f"model.{k}": v for k, v in info.get("model_args", {}).items()})
+    out.update({f"model.{k}": v for k, v in info.get("model_args", {}).items() if k not in _PRECISION_ARGS})
     return out
 
 
@@ -50,7 +54,14 @@ def resume_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[st
     """'key was X, is Y' for each setting that differs between a checkpoint's run and this one (configuration keys
     first, then model arguments); empty when an exact resume is possible."""
     old, new = _exact_keys(saved), _exact_keys(current)
-    return [f"{k} was {old[k]!r}, is {new[k]!r}" for k in new if k in old and old[k] != new[k]]
+    out = [f"{k} was {old[k]!r}, is {new[k]!r}" for k in new if k in old and old[k] != new[k]]
+    # the MTP layer follows loss.mtp_weight (0 drops it): name the key the user set
+    mtp = "model.num_nextn_predict_layers"
+    was_w, is_w = (info.get("config", {}).get("loss", {}).get("mtp_weight") for info in (saved, current))
+    if mtp in old and mtp in new and old[mtp] != new[mtp] and was_w != is_w and 0 in (was_w, is_w):
+        out = [f"loss.mtp_weight was {was_w!r}, is {is_w!r} (0 trains without the MTP layer: {mtp} was {old[mtp]!r}, "
+               f"is {new[mtp]!r})" if m.startswith(f"{mtp} ") else m for m in out]
+    return out
 
 
 def _lr(cfg: dict[str, Any], step: int, peak: float) -> float:
@@ -117,16 +128,38 @@ def _precision(cfg: dict[str, Any]) -> str:
 
 
 def precision_note(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
-    """One sentence on a resume under other compute precisions ([float8], training.mixed_precision_param; None:
-    unchanged). Parameter names and values carry over as they are; only what the GEMMs compute in changes."""
+    """One sentence on a resume under other compute precisions ([float8], training.mixed_precision_param, the
+    model's precision controls; None: unchanged). Parameter names and values carry over as they are; only what the
+    GEMMs and the controlled ops compute in changes."""
     old_cfg, new_cfg = saved.get("config"), current["config"]
     if not old_cfg:
         return None
     keys = [("float8", k) for k in new_cfg.get("float8", {})] + [("training", "mixed_precision_param")]
     changed = [f"{sec}.{k} {old_cfg.get(sec, {}).get(k)!r} -> {new_cfg[sec][k]!r}" for sec, k in keys
                if old_cfg.get(sec, {}).get(k) != new_cfg[sec][k]]
-    if not changed or _precision(old_cfg) == _precision(new_cfg):
+    summary = _precision(old_cfg) != _precision(new_cfg)
+    if not summary:
+        changed = []
+    old_args, new_args = saved.get("model_args", {}), current.get("model_args", {})
+    changed += [f"model.{k} {old_args[k]!r} -> {new_args[k]!r}" for k in _PRECISION_ARGS
+                if k in old_args and k in new_args and old_args[k] != new_args[k]]
+    if not changed:
         return None
     return (f"the compute precision changed since the checkpoint ({', '.join(changed)}): the weights and optimizer "
-            f"state carry over unchanged; the steps trained so far ran {_precision(old_cfg)}, from here on "
-            f"{_precision(new_cfg)}")
+            "state carry over unchanged" + (f"; the steps trained so far ran {_precision(old_cfg)}, from here on "
+                                            f"{_precision(new_cfg)}" if summary else ""))
+
+
+def optimizer_note(saved: dict[str, Any], current: dict[str, Any], step: int) -> str | None:
+    """One sentence on a resume with other [optimizer] settings than the checkpoint's (None: unchanged). The moments
+    carry over; this run's betas, eps, weight decay and implementation apply from step `step` + 1 (the checkpoint
+    keeps only the LR, which the schedule sets: checkpoint.regroup). name and lr have their own rules."""
+    old, new = saved.get("config", {}).get("optimizer"), current["config"]["optimizer"]
+    if not old:
+        return None
+    changed = [f"optimizer.{k} {old[k]!r} -> {v!r}" for k, v in new.items()
+               if k not in ("name", "lr") and k in old and old[k] != v]
+    if not changed:
+        return None
+    return (f"the optimizer settings changed since the checkpoint ({', '.join(changed)}): its moments carry over and "
+            f"the new settings apply from step {step + 1}")

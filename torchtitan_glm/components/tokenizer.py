@@ -156,4 +156,5 @@ def check_vocab_fits(tokenizer: ByteTokenizer | HFTokenizer, *, vocab_size: int,
     if tokenizer.vocab_size > vocab_size:
         name = getattr(tokenizer, "path", "byte")
         raise TokenizerError(f"data.tokenizer {name} has {tokenizer.vocab_size} tokens but the model ({model}) has "
-                             f"vocab_size {vocab_size}: use a tokenizer that fits or a model with a larger vocab_size")
+                             f"vocab_size {vocab_size}: use a tokenizer that fits or a model with a larger vocab_size",
+                             usage=True)

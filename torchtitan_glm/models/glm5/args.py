@@ -174,6 +174,9 @@ class Glm5ModelArgs:
         # Carried from config.json; the model implements only these (the router always computes in FP32).
         if self.topk_method != "noaux_tc":
             fail("topk_method", f"only 'noaux_tc' routing is supported, got {self.topk_method!r}")
+        for key in ("index_kpool_compress", "index_share_for_mtp_iteration"):
+            if not getattr(self, key):  # GLM-5.3-Flash's values; transformers' glm5_next has no other path either
+                fail(key, "only true is implemented (the GLM-5.3-Flash value)")
         if self.moe_router_dtype != "float32":
             fail("moe_router_dtype", f"the router computes in float32 only, got {self.moe_router_dtype!r}")
         for key, values in (("layer_types", self.layer_types), ("mlp_layer_types", self.mlp_layer_types),

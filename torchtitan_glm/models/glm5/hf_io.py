@@ -302,6 +302,11 @@ def _export_config(model: Glm5Model, origin: HfOrigin | None, dtype: torch.dtype
         cfg = {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
                "text_config": args.to_hf_config(), "tie_word_embeddings": args.tie_word_embeddings}
         dtype = dtype or next(p.dtype for n, p in model.named_parameters() if n == "embed_tokens.weight")
+    # The head is exported as its own tensor beside the embedding (the model trains it untied): a config saying
+    # tied would make a loader drop the trained head.
+    cfg["tie_word_embeddings"] = False
+    if isinstance(cfg.get("text_config"), dict) and "tie_word_embeddings" in cfg["text_config"]:
+        cfg["text_config"]["tie_word_embeddings"] = False
     if dtype is not None:
         cfg["dtype"] = _dtype_name(dtype)
         if "torch_dtype" in cfg:
