@@ -4,6 +4,7 @@ dequantised weights within E4M3 block rounding of the originals, everything else
 
 import json
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -101,3 +102,22 @@ def test_fp8_export_with_indexer_converted_loads_back(tmp_path):
     name = next(n for n in model.state_dict() if n.endswith("indexer.wk.weight"))
     w, got = model.state_dict()[name], loaded.state_dict()[name]
     assert not torch.equal(got, w) and ((got - w).abs() <= w.abs() * 2.0**-4 + w.abs().amax() / 448 * 2.0**-9).all()
+
+
+def test_fp8_export_refuses_unknown_keep_bf16_roles_and_keep_bf16_without_fp8(tmp_path):
+    # A typo ("indexr") would export the indexer in FP8 and drop it from modules_to_not_convert without a word.
+    from torchtitan_glm.config import FLOAT8_ROLES
+
+    model = Glm5Model(get_flavor("debug"))
+    for keep, bad in ((["indexr", "mla", "kda"], "'indexr'"), (["bogus"], "'bogus'"), ("indexer", "'indexer'")):
+        with pytest.raises(ValueError, match="keep_bf16") as err:
+            save_pretrained(model, tmp_path / "fp8", fp8=True, keep_bf16=keep)
+        assert bad in str(err.value) and (isinstance(keep, str) or str(list(FLOAT8_ROLES)) in str(err.value))
+    with pytest.raises(ValueError, match="keep_bf16.*fp8=True"):
+        save_pretrained(model, tmp_path / "bf16", keep_bf16=["mla"])
+    assert not (tmp_path / "fp8").exists() and not (tmp_path / "bf16").exists()
+    from torchtitan_glm.models.glm5.hf_distributed import save_hf_from_sharded
+
+    with pytest.raises(ValueError, match="'indexr'"):  # the sharded export checks the same roles
+        save_hf_from_sharded(model, tmp_path / "sharded", fp8=True, keep_bf16=["indexr"])
+    assert not (tmp_path / "sharded").exists()

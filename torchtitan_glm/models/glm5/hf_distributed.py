@@ -51,7 +51,7 @@ from torchtitan_glm.float8 import plain_tensors
 from .hf_io import (
     CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, _checkpoint_files, _export_config,
     _fp8_export_names, _fp32_hf_names, _indexer_hf_modules, _plan_shards, _publish, _quantization_config, _read_json,
-    _open_files, _scan, check_extra_files, fp8_quantization_config, write_extra_files,
+    _open_files, _scan, check_extra_files, check_keep_bf16, fp8_quantization_config, write_extra_files,
 )
 from .model import Glm5Model
 from .state_dict_adapter import (
@@ -259,6 +259,7 @@ def save_hf_from_sharded(model: nn.Module, out_dir: str | os.PathLike, *, dtype:
     process_group: a gloo group when the default one is NCCL (the FP8 scale exchange runs on CPU). extra_files: more
     files of the folder by name (the tokenizer's), written by rank 0 before the folder is published."""
     check_extra_files(extra_files)
+    check_keep_bf16(keep_bf16)
     m = _unwrap(model)
     args = m.args
     adapter = Glm5StateDictAdapter(args)

@@ -9,7 +9,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from torchtitan_glm.config import FLOAT8_ROLES, SERVING_BF16_ROLES
 
 from .args import TRAINER_FIELDS, Glm5ModelArgs
 from .model import Glm5Model
@@ -245,6 +247,17 @@ def _scale_numel(t: torch.Tensor) -> int:
     return rows * cols
 
 
+def check_keep_bf16(keep_bf16: Iterable[str]) -> None:
+    """ValueError naming each role of an export's keep_bf16 that the [float8] section would refuse: a typo would
+    otherwise export that role's Linears in FP8 (and drop them from modules_to_not_convert) without a word."""
+    if isinstance(keep_bf16, str):
+        raise ValueError(f"keep_bf16: a list of roles, got the string {keep_bf16!r}")
+    unknown = [r for r in keep_bf16 if r not in FLOAT8_ROLES]
+    if unknown:
+        raise ValueError(f"keep_bf16: unknown role(s) {unknown}; roles are {list(FLOAT8_ROLES)} (routed experts "
+                         "are always FP8 in an FP8 export)")
+
+
 def _fp8_export_names(model: Glm5Model, adapter: Glm5StateDictAdapter, keep_bf16) -> set[str]:
     """HF names of the weights the FP8 split runs in FP8: converted Linears and the routed experts."""
     from torchtitan_glm.float8 import fp8_convertible
@@ -367,13 +380,14 @@ def save_pretrained(
     include_mtp: bool | None = None,
     config: Mapping[str, Any] | None = None,
     fp8: bool = False,
-    keep_bf16: tuple[str, ...] | list[str] = ("indexer", "mla", "kda"),
+    keep_bf16: Iterable[str] | None = None,
     extra_files: Mapping[str, bytes] | None = None,
 ) -> Path:
     """Write `model` as an HF checkpoint (config.json + model.safetensors, or shards + index) and return out_dir.
 
     fp8: the released FP8 layout for serving: the Linears the FP8 split converts (float8.fp8_convertible with
-    `keep_bf16`) and the routed experts as E4M3 with 128x128 block `weight_scale_inv`, everything else in `dtype`;
+    `keep_bf16`: roles of config.FLOAT8_ROLES, default the serving split; only with fp8) and the routed experts as
+    E4M3 with 128x128 block `weight_scale_inv`, everything else in `dtype`;
     config.json's quantization_config lists every module left unquantised in `modules_to_not_convert` (the whole
     indexer, KDA projections, MLA attention, head, router, ...).
 
@@ -387,6 +401,10 @@ def save_pretrained(
     """
     out_dir = Path(out_dir)
     check_extra_files(extra_files)
+    if keep_bf16 is not None and not fp8:
+        raise ValueError("keep_bf16 chooses what an FP8 export keeps BF16: pass fp8=True with it, or drop it")
+    keep_bf16 = SERVING_BF16_ROLES if keep_bf16 is None else tuple(keep_bf16)
+    check_keep_bf16(keep_bf16)
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
