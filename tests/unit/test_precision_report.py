@@ -56,7 +56,7 @@ def expected(fqn: str) -> tuple[str, str]:
 
 
 def test_full_model_report_is_the_serving_split():
-    rows, share, line = report(["--config", str(ROOT / "train_configs/glm5_3_flash.toml")])
+    rows, share, line, _ = report(["--config", str(ROOT / "train_configs/glm5_3_flash.toml")])
     with torch.device("meta"):
         names = [n for n, _ in Glm5Model(get_flavor("glm5_3_flash")).named_parameters()]
     assert [r["fqn"] for r in rows] == names
@@ -117,6 +117,35 @@ def test_experts_left_bf16_by_the_shape_rule_are_reported():
     assert "4 routed-expert modules" in summary.left_line()
     assert convert_float8(Glm5Model(get_flavor("debug")), cfg=load_config([]).float8).left_line() == ""
     # the report prints what train.py prints at start-up, the left-BF16 line included
-    _, _, lines = report(["--config", str(ROOT / "train_configs/debug_model.toml"), "--float8.enable", "true",
+    _, _, lines, _ = report(["--config", str(ROOT / "train_configs/debug_model.toml"), "--float8.enable", "true",
                           "--model.moe_intermediate_size", "24"])
     assert lines.splitlines() == [summary.line(), summary.left_line()]
+
+
+def _script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/precision_report.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_help_is_the_scripts_own():
+    res = _script("--help")
+    assert res.returncode == 0, res.stderr
+    usage = res.stdout.splitlines()[0]
+    assert usage.startswith("usage: precision_report.py") and "--json" in usage, usage
+    assert "train.py's config keys" in res.stdout and "usage: train.py" not in res.stdout
+
+
+def test_indexer_weights_fp32_keeps_the_bf16_rows_and_says_the_matmul_is_fp32():
+    config = ["--config", str(ROOT / "train_configs/glm5_3_flash.toml")]
+    rows, _, _, notes = report([*config, "--model.indexer_weights_fp32", "true"])  # the config's value, said here
+    proj = [r for r in rows if r["fqn"].endswith("indexer.weights_proj.weight")]
+    assert proj and all((r["role"], r["precision"]) == ("indexer", "bf16") for r in proj)
+    assert len(notes) == 1 and f"({len(proj)} Linear)" in notes[0], notes
+    assert "weights BF16" in notes[0] and "matmul in FP32" in notes[0] and "model.indexer_weights_fp32" in notes[0]
+    res = _script(*config, "--model.indexer_weights_fp32", "true")
+    assert res.returncode == 0 and notes[0] in res.stdout.splitlines(), res.stderr[-2000:]
+    off = _script(*config, "--model.indexer_weights_fp32", "false")
+    assert off.returncode == 0 and "matmul in FP32" not in off.stdout, off.stderr[-2000:]
+    assert report([*config, "--model.indexer_weights_fp32", "false"])[3] == []
+    as_json = _script(*config, "--model.indexer_weights_fp32", "true", "--json")
+    assert as_json.returncode == 0 and json.loads(as_json.stdout) == rows
