@@ -17,6 +17,7 @@ import copy
 import json
 import os
 import sys
+from typing import NoReturn
 
 import torch
 
@@ -27,6 +28,7 @@ from torchtitan_glm.components.tokenizer import build_tokenizer  # noqa: E402
 from torchtitan_glm.config import DataConfig, Float8Config  # noqa: E402
 from torchtitan_glm.float8 import convert_float8  # noqa: E402
 from torchtitan_glm.models.glm5 import Glm5Model, from_pretrained, get_flavor  # noqa: E402
+from torchtitan_glm.models.glm5.args import ModelArgsError  # noqa: E402
 from torchtitan_glm.models.glm5.dsa import SparseMLA  # noqa: E402
 from torchtitan_glm.models.glm5.hf_io import _cast_for_load  # noqa: E402
 
@@ -94,11 +96,28 @@ def compare(ref: tuple, other: tuple, *, chunk: int = 1024) -> dict[str, object]
             "indexer_topk_overlap": overlaps}
 
 
+def _exit_2(flag: str, message: str) -> NoReturn:
+    """One line naming the option on stderr, exit 2 (argparse's code for a bad argument)."""
+    print(f"precision_agreement.py: error: {flag}: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check_seq_len(model: Glm5Model, seq_len: int) -> None:
+    """Exit 2 when a row is too short for the indexer to select anything: it selects whole pools of index_kpool
+    tokens, and the first is complete at token index_kpool - 1, so shorter rows leave the overlap undefined (NaN)."""
+    kpool = model.args.index_kpool
+    if seq_len < kpool and any(isinstance(m, SparseMLA) and m.indexer is not None for m in model.modules()):
+        _exit_2("--seq-len", f"{seq_len} tokens hold no complete pool of index_kpool = {kpool} tokens for the "
+                f"indexer to select (its top-k overlap is undefined); use --seq-len >= {kpool}")
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--flavor", default="glm5_3_flash_proxy")
     p.add_argument("--hf", default=None, help="HF checkpoint directory (default: the flavor, seeded random init)")
-    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--seq-len", type=int, default=4096,
+                   help="tokens of the row, at least index_kpool; below index_topk + index_kpool every query "
+                        "selects all of its complete pools, so the indexer overlap is 100%% by construction")
     p.add_argument("--recipe", default="tensorwise", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"])
     p.add_argument("--device", default=None, help="default: cuda; on a machine without one, say --device cpu")
     p.add_argument("--json", default=None)
@@ -111,9 +130,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     torch.manual_seed(0)
     if a.hf:
         base = from_pretrained(a.hf, dtype=torch.bfloat16, device=device)
+        check_seq_len(base, a.seq_len)
     else:
+        try:
+            flavor_args = get_flavor(a.flavor)
+        except ModelArgsError as e:
+            _exit_2("--flavor", str(e))
         with torch.device("meta"):
-            base = Glm5Model(get_flavor(a.flavor).replace(num_nextn_predict_layers=0))
+            base = Glm5Model(flavor_args.replace(num_nextn_predict_layers=0))
+        check_seq_len(base, a.seq_len)
         base.to_empty(device=device)
         base.init_weights()
         _cast_for_load(base, torch.bfloat16)

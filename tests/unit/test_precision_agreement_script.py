@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchtitan_glm.models.glm5.args import FLAVORS, get_flavor
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -34,3 +36,20 @@ def test_no_cuda_and_no_device_is_refused_quickly():
     proc = subprocess.run([sys.executable, "scripts/precision_agreement.py"], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"})
     assert proc.returncode == 2 and "--device cpu" in proc.stderr, proc.stderr[-2000:]
+
+
+KPOOL = get_flavor("debug").index_kpool
+
+
+@pytest.mark.parametrize("args,named", [
+    (("--flavor", "nope"), ["--flavor", "'nope'", *FLAVORS]),
+    # the indexer selects whole pools of index_kpool tokens: one token fewer left its overlap "nan%"
+    (("--flavor", "debug", "--seq-len", str(KPOOL - 1)), ["--seq-len", f">= {KPOOL}", f"index_kpool = {KPOOL}"]),
+])
+def test_bad_flavor_or_too_short_row_exits_2_in_one_line(args, named):
+    proc = subprocess.run([sys.executable, "scripts/precision_agreement.py", *args, "--device", "cpu"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"})
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr[-2000:]
+    assert all(n in errors[0] for n in named), errors
