@@ -8,21 +8,24 @@ Weights are BF16, no FSDP, no optimizer; one row of `--docs` packed documents. `
 loss: fused CE + MTP layer + the indexer KL, over every visible pool (`--indexer-kl dense`, the default: the dense
 warm-up's form and the sparse stage's with loss.indexer_sparse_loss = false; its dense attention target costs
 O(T^2) FP32 work per DSA layer) or over the selected pools (`--indexer-kl sparse`, loss.indexer_sparse_loss = true:
-linear in T). `--scope reference` drops the MTP
-layer and the indexer KL, the scope of the transformers figure in shared/reference/measured_h200.md (trunk + LM
-head + CE). AC `auto` picks selective up to T = 32K and full above. A run that runs out of memory prints a row
-marked OOM and the sweep goes on. A third field `fp8` in a run (`compiled:selective:fp8`) converts the model to the
-FP8 serving split first (`--float8-recipe`). `--profile` adds one profiled step per run and prints its CUDA kernels
-by total time; `--memory-profile` prints what is alive at each run's memory peak (or out-of-memory) by source
-line. `--recompute-modules kda,mhc` adds activation_checkpoint.recompute_modules to the selective runs
-(their AC column reads `selective+kda+mhc`). Prints one JSON line per run and a markdown table; the proxy needs CUDA.
+linear in T). `--scope reference` drops the MTP layer and the indexer KL, the scope of the transformers figure in
+docs/performance.md (trunk + LM head + CE). AC `auto` picks selective up to T = 32K and full above. A run that runs
+out of memory prints a row marked OOM and the sweep goes on. A third field `fp8` in a run (`compiled:selective:fp8`)
+converts the model to the FP8 serving split first (`--float8-recipe`). `--profile` adds one profiled step per run and
+prints its CUDA kernels by total time (on CPU its CPU ops); `--memory-profile` (CUDA only) prints what is alive at
+each run's memory peak (or out-of-memory) by source line. `--recompute-modules kda,mhc` adds
+activation_checkpoint.recompute_modules to the selective runs (their AC column reads `selective+kda+mhc`). Prints one
+JSON line per run and a markdown table (its `MoE chunk` column is `--moe-chunk-tokens`); the proxy needs CUDA.
 
 `--against transformers` first times transformers' own `Glm5NextTextModel` built from the same config (plus a
-bias-free LM head and full-logit FP32 CE: the reference of shared/reference/measured_h200.md), eager, in `--dtype`,
-gradients dropped each step as ours are, on the same tokens; each of our runs then starts from its weights (so both
-report the same loss at init) and its row carries `speed_ratio` (our tokens/s over transformers') and
-`memory_ratio` (our peak over transformers'). It implies `--scope reference` and one document per row (the
-transformers model has no packed-document form):
+bias-free LM head and full-logit FP32 CE: the reference of docs/performance.md), eager, in `--dtype`, gradients
+dropped each step as ours are, on the same tokens; each of our runs then starts from its weights and its row carries
+`speed_ratio` (our tokens/s over transformers') and `memory_ratio` (our peak over transformers'). It implies
+`--scope reference` and one document per row (the transformers model has no packed-document form). Both report the
+same loss at init exactly when the indexer's scores have no ties (the proxy flavor, 32 indexer heads); the debug
+flavor's indexer (4 heads, ReLU scores) makes exact ties, which ours breaks toward the earlier pool by design and
+transformers' torch.topk need not, so once a row has more pools than index_topk selects its losses can differ in the
+4th digit (6.30549 vs 6.30672 at T = 64, fp32; equal with 32 indexer heads):
 
     python scripts/benchmark.py --against transformers --seq-len 4096,8192 --runs compiled:none
 
@@ -396,10 +399,12 @@ def main() -> None:
     p.add_argument("--dsa-dense-max-len", default="",
                    help="model.dsa_dense_max_len, comma-separated to time each (default: the flavor's); e.g. 0,6144 "
                         "times the sparse kernel and the short-row dense kernel side by side")
-    p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="one more step per run under torch.profiler: its CUDA kernels (on CPU its ops) by total time")
     p.add_argument("--memory-profile", action="store_true",
-                   help="record CUDA allocations and print what is alive at each run's peak (or out-of-memory) by "
-                        "the source line that allocated it (scripts/memory_peak.py); timings include the recorder")
+                   help="CUDA only: record CUDA allocations and print what is alive at each run's peak (or "
+                        "out-of-memory) by the source line that allocated it (scripts/memory_peak.py); timings "
+                        "include the recorder")
     p.add_argument("--out", default="")
     a = p.parse_args()
     default_alloc_conf()  # expandable segments, as train.py runs (unless PYTORCH_CUDA_ALLOC_CONF is set)
@@ -440,8 +445,10 @@ def main() -> None:
         dense_max_lens = tuple(int(v) for v in a.dsa_dense_max_len.split(",")) if a.dsa_dense_max_len else (None,)
     except ValueError:
         p.error(f"--dsa-dense-max-len: comma-separated integers, got {a.dsa_dense_max_len!r}")
+    if a.memory_profile and not torch.cuda.is_available():
+        p.error("--memory-profile records CUDA allocations (torch.cuda.memory): it needs CUDA and none is visible")
     if not torch.cuda.is_available() and a.flavor != "debug":
-        print(f"benchmark.py: flavor {a.flavor!r} needs a CUDA GPU and none is visible (the debug flavor runs on CPU).",
+        print(f"benchmark.py: flavor {a.flavor!r} needs a CUDA GPU and none is visible; on CPU use --flavor debug",
               file=sys.stderr)
         sys.exit(2)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -478,11 +485,12 @@ def main() -> None:
                             backend=a.backend, scope=a.scope, profile=a.profile, indexer_kl=a.indexer_kl, docs=a.docs,
                             tile_elements=tile_elements, float8=a.float8_recipe if fp8 else None,
                             weights=weights, recompute_modules=recompute, dsa_dense_max_len=dense_max,
-                            memory_profile=a.memory_profile and device.type == "cuda",
+                            memory_profile=a.memory_profile,
                             moe_chunk_tokens=a.moe_chunk_tokens, offload_inputs=a.offload_inputs)
             except torch.cuda.OutOfMemoryError as e:
                 r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=ac,
-                         float8=a.float8_recipe if fp8 else "off", oom=str(e).split(".")[0])
+                         float8=a.float8_recipe if fp8 else "off", moe_chunk_tokens=a.moe_chunk_tokens,
+                         oom=str(e).split(".")[0])
             if "oom" in r:  # outside the handler: its traceback no longer holds the model
                 gc.collect()
                 torch.cuda.empty_cache()
@@ -495,18 +503,18 @@ def main() -> None:
     kl = f", indexer KL {a.indexer_kl}, indexer tiles of {tile_elements} elements" if a.scope == "train" else ""
     print(f"scope: {a.scope}{kl}, {a.docs} document(s) per row\n")
     vs = " | speed / memory vs transformers" if a.against else ""
-    print(f"| T | mode | AC | float8 | DSA dense max | step ms | tokens/s | TFLOP/s | peak GiB | warm-up s | loss{vs} |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if a.against else ""))
+    print(f"| T | mode | AC | float8 | DSA dense max | MoE chunk | step ms | tokens/s | TFLOP/s | peak GiB | warm-up s "
+          f"| loss{vs} |\n|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if a.against else ""))
     for r in rows:
-        dense_max = r.get("dsa_dense_max_len", "")
+        options = f"{r['float8']} | {r.get('dsa_dense_max_len', '')} | {r.get('moe_chunk_tokens', '')}"
         if "oom" in r:
-            print(f"| {r['seq_len']:,} | {r['mode']} | {r['ac']} | {r['float8']} | {dense_max} | OOM | | | | | |"
+            print(f"| {r['seq_len']:,} | {r['mode']} | {r['ac']} | {options} | OOM | | | | | |"
                   + (" |" if a.against else ""))
             continue
         ratio = ""
         if a.against:
             ratio = f" {r['speed_ratio']}x, {r['memory_ratio']}x |" if "speed_ratio" in r else " |"
-        print(f"| {r['seq_len']:,} | {r['mode']} | {r['ac']} | {r['float8']} | {dense_max} | {r['step_ms']} | "
+        print(f"| {r['seq_len']:,} | {r['mode']} | {r['ac']} | {options} | {r['step_ms']} | "
               f"{r['tokens_per_s']:,.0f} | {r['tflops']} | {r['peak_mem_gib']} | {r['warmup_s']} | "
               f"{r['loss']:.6g} |{ratio}")
 

@@ -73,7 +73,14 @@ def test_sweep_rows_report_their_own_host_peak_and_offload(tmp_path):
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message shown without CUDA")
 def test_gpu_benchmarks_say_they_need_cuda():
     proc = _run("scripts/benchmark.py", "--seq-len", "sweep", "--runs", "compiled:auto")
-    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "on CPU use --flavor debug" in proc.stderr
+    proc = _run("scripts/benchmark.py", "--against", "transformers")  # the default flavor is the proxy
+    assert proc.returncode == 2 and "on CPU use --flavor debug" in proc.stderr, proc.stderr[-2000:]
+    # --memory-profile records CUDA allocations: refused before any run rather than silently dropped
+    proc = _run("scripts/benchmark.py", "--flavor", "debug", "--seq-len", "32", "--runs", "eager:none",
+                "--memory-profile")
+    assert proc.returncode == 2 and "--memory-profile" in proc.stderr and "needs CUDA" in proc.stderr, proc.stderr
+    assert proc.stdout == ""
     proc = _run("scripts/bench_dsa.py")
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
     proc = _run("scripts/bench_sparse_mla_configs.py")
@@ -198,3 +205,49 @@ def test_cpu_peak_counts_temporaries_inside_custom_ops():
         y = probe(x)
     assert torch.equal(y, x + 1)
     assert 64 << 20 <= meter.peak_bytes - x.untyped_storage().nbytes() < (64 << 20) + 4096
+
+
+def test_profile_on_cpu_and_the_table_shows_moe_chunk_tokens(tmp_path):
+    """--profile prints the profiled step's ops on CPU too; the markdown table has a column for
+    --moe-chunk-tokens (in the JSON rows), so runs differing only in chunk size are told apart."""
+    out = tmp_path / "rows.json"
+    proc = _run("scripts/benchmark.py", "--flavor", "debug", "--seq-len", "32", "--steps", "1", "--warmup", "0",
+                "--runs", "eager:none", "--moe-chunk-tokens", "16", "--profile", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Self CPU time total" in proc.stdout
+    (row,) = json.loads(out.read_text())
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    header, body = [c.strip() for c in table[0].split("|")], [c.strip() for c in table[1].split("|")]
+    assert len(header) == len(body) and body[header.index("MoE chunk")] == str(row["moe_chunk_tokens"]) != "0"
+    assert body[header.index("DSA dense max")] == str(row["dsa_dense_max_len"])
+
+
+def test_help_cites_files_of_the_repository_and_the_tie_caveat():
+    import re
+
+    proc = _run("scripts/benchmark.py", "--help", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cited = re.findall(r"[\w./-]+/[\w.-]+\.md", proc.stdout)
+    assert "docs/performance.md" in cited and all((REPO / c).is_file() for c in cited), cited
+    assert "no ties" in proc.stdout and "4th" in proc.stdout
+
+
+def test_against_transformers_losses_agree_exactly_without_indexer_ties(monkeypatch):
+    """The help's tie claim: at T = 64 the debug flavor's 4-head ReLU indexer has exact score ties (ours break them
+    toward the earlier pool, torch.topk need not); with 32 indexer heads the two init losses agree to fp32."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "get_flavor", lambda name: bench.FLAVORS[name]().replace(index_n_heads=32))
+    cpu, tile = torch.device("cpu"), 1 << 26
+    args = bench.model_args("debug", scope="reference", tile_elements=tile)
+    seq_len = 4 * args.index_topk  # more pools than the indexer selects: the selection matters
+    ref, weights = bench.run_transformers(args=args, flavor="debug", seq_len=seq_len, batch=1, steps=1, warmup=0,
+                                          device=cpu, dtype=torch.float32)
+    ours = bench.run_one(flavor="debug", seq_len=seq_len, batch=1, compiled=False, ac="none", steps=1, warmup=0,
+                         device=cpu, dtype=torch.float32, backend="inductor", scope="reference", profile=False,
+                         indexer_kl="dense", docs=1, tile_elements=tile, weights=weights)
+    assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-6)
