@@ -29,8 +29,8 @@ from torchtitan_glm.components.metrics import (
 from torchtitan_glm.components.optimizer import build_optimizer, clip_grad_norm_
 from torchtitan_glm.components.outputs import check_output_folders
 from torchtitan_glm.components.profiling import StepProfiler
-from torchtitan_glm.components.resume import (layout_note, optimizer_note, precision_note, resume_mismatches, run_info,
-                                              schedule_note)
+from torchtitan_glm.components.resume import (layout_note, optimizer_changes, optimizer_note, precision_changes,
+                                              precision_note, resume_mismatches, run_info, schedule_note)
 from torchtitan_glm.components.signals import StopRequest
 from torchtitan_glm.components.step_stats import PendingStep, StepStats, optimizer_step, supports_device_skip
 from torchtitan_glm.components.tokenizer import build_tokenizer, check_vocab_fits
@@ -517,11 +517,11 @@ class Trainer:
             if self.rank == 0:
                 logger.info("training is complete: the checkpoint %s is at training.steps=%d; nothing to do (raise "
                             "--training.steps to train further)", path, step)
-                changed = [n for n in (precision_note(saved, self.run_info), optimizer_note(saved, self.run_info, step))
-                           if n] if saved is not None else []
+                changed = (precision_changes(saved, self.run_info) + optimizer_changes(saved, self.run_info)
+                           if saved is not None else [])
                 if changed:
-                    logger.warning("this run's settings differ from the checkpoint's and trained nothing: %s; to "
-                                   "train with them, use a new --job.dump_folder", "; ".join(changed))
+                    logger.warning("this run's settings differ from the checkpoint's (%s) and trained nothing with "
+                                   "them: to train with them, use a new --job.dump_folder", ", ".join(changed))
             return step
         note = schedule_note(saved, self.run_info, step) if saved is not None else None
         ck.load(step)

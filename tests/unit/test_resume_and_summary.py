@@ -264,3 +264,23 @@ def test_resume_names_the_loss_key_behind_a_derived_model_argument():
     assert resume_mismatches(saved, _info("--loss.indexer_tile_elements", "4096")) == []  # memory only
     assert resume_mismatches(saved, _info("--loss.mtp_weight", "0")) == [
         "loss.mtp_weight was 0.1, is 0.0 (0 trains without the MTP layer: model.num_nextn_predict_layers was 1, is 0)"]
+
+
+def test_a_complete_run_says_which_new_settings_trained_nothing(tmp_path, world_of_one, caplog):
+    """Re-running a finished job with other settings (the README's FP8 command after its BF16 one, same folder)
+    trains nothing; it says which settings it did not train with."""
+    import torch.distributed as dist
+
+    from torchtitan_glm.train import Trainer
+
+    argv = ["--config", "train_configs/debug_model.toml", "--training.seq_len", "32", "--training.local_batch_size",
+            "1", "--training.steps", "1", "--lr_scheduler.warmup_steps", "0", "--metrics.enable_tensorboard", "false",
+            f"--job.dump_folder={tmp_path}"]
+    Trainer(load_config(argv)).train()
+    dist.destroy_process_group()
+    with caplog.at_level("INFO", logger="torchtitan_glm.train"):
+        assert Trainer(load_config([*argv, "--float8.enable", "true", "--optimizer.eps", "1e-6"])).train() == []
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("training is complete") for m in messages)
+    assert "this run's settings differ from the checkpoint's (float8.enable False -> True, optimizer.eps 1e-08 -> " \
+           "1e-06) and trained nothing with them: to train with them, use a new --job.dump_folder" in messages

@@ -489,7 +489,7 @@ class CheckpointManager:
             problem = self._verify(step_dir(self.root, explicit))
             if problem:
                 raise CheckpointError(f"checkpoint.load_step={explicit}: checkpoint {step_dir(self.root, explicit)} "
-                                      f"{problem}")
+                                      f"{problem}", usage=True)  # the fix: another load_step
             newer = [step_dir(self.root, s) for s in self._shared(_step_folders(self.root)) if s > explicit]
             if newer:  # training on from an earlier step would save over them
                 raise ResumeMismatchError(

@@ -11,7 +11,8 @@ from typing import Any
 
 from torchtitan_glm.components.lr_scheduler import lr_factor
 
-__all__ = ["run_info", "resume_mismatches", "schedule_note", "layout_note", "precision_note", "optimizer_note"]
+__all__ = ["run_info", "resume_mismatches", "schedule_note", "layout_note", "precision_note", "optimizer_note",
+           "precision_changes", "optimizer_changes"]
 
 # Model arguments that follow other settings and may change between stages without changing any parameter.
 _FREE_ARGS = ("dsa_attention", "dsa_dense_max_len", "indexer_tile_elements")
@@ -131,9 +132,22 @@ def precision_note(saved: dict[str, Any], current: dict[str, Any]) -> str | None
     """One sentence on a resume under other compute precisions ([float8], training.mixed_precision_param, the
     model's precision controls; None: unchanged). Parameter names and values carry over as they are; only what the
     GEMMs and the controlled ops compute in changes."""
+    changed = precision_changes(saved, current)
+    if not changed:
+        return None
+    old_cfg, new_cfg = saved["config"], current["config"]
+    summary = _precision(old_cfg) != _precision(new_cfg)
+    return (f"the compute precision changed since the checkpoint ({', '.join(changed)}): the weights and optimizer "
+            "state carry over unchanged" + (f"; the steps trained so far ran {_precision(old_cfg)}, from here on "
+                                            f"{_precision(new_cfg)}" if summary else ""))
+
+
+def precision_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'key old -> new' for each compute-precision setting that differs and changes what is computed ([float8]
+    keys only while float8 is on before or after)."""
     old_cfg, new_cfg = saved.get("config"), current["config"]
     if not old_cfg:
-        return None
+        return []
     keys = [("float8", k) for k in new_cfg.get("float8", {})] + [("training", "mixed_precision_param")]
     changed = [f"{sec}.{k} {old_cfg.get(sec, {}).get(k)!r} -> {new_cfg[sec][k]!r}" for sec, k in keys
                if old_cfg.get(sec, {}).get(k) != new_cfg[sec][k]]
@@ -141,25 +155,25 @@ def precision_note(saved: dict[str, Any], current: dict[str, Any]) -> str | None
     if not summary:
         changed = []
     old_args, new_args = saved.get("model_args", {}), current.get("model_args", {})
-    changed += [f"model.{k} {old_args[k]!r} -> {new_args[k]!r}" for k in _PRECISION_ARGS
-                if k in old_args and k in new_args and old_args[k] != new_args[k]]
-    if not changed:
-        return None
-    return (f"the compute precision changed since the checkpoint ({', '.join(changed)}): the weights and optimizer "
-            "state carry over unchanged" + (f"; the steps trained so far ran {_precision(old_cfg)}, from here on "
-                                            f"{_precision(new_cfg)}" if summary else ""))
+    return changed + [f"model.{k} {old_args[k]!r} -> {new_args[k]!r}" for k in _PRECISION_ARGS
+                      if k in old_args and k in new_args and old_args[k] != new_args[k]]
 
 
 def optimizer_note(saved: dict[str, Any], current: dict[str, Any], step: int) -> str | None:
     """One sentence on a resume with other [optimizer] settings than the checkpoint's (None: unchanged). The moments
     carry over; this run's betas, eps, weight decay and implementation apply from step `step` + 1 (the checkpoint
     keeps only the LR, which the schedule sets: checkpoint.regroup). name and lr have their own rules."""
-    old, new = saved.get("config", {}).get("optimizer"), current["config"]["optimizer"]
-    if not old:
-        return None
-    changed = [f"optimizer.{k} {old[k]!r} -> {v!r}" for k, v in new.items()
-               if k not in ("name", "lr") and k in old and old[k] != v]
+    changed = optimizer_changes(saved, current)
     if not changed:
         return None
     return (f"the optimizer settings changed since the checkpoint ({', '.join(changed)}): its moments carry over and "
             f"the new settings apply from step {step + 1}")
+
+
+def optimizer_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'optimizer.key old -> new' for each [optimizer] setting that differs, but name and lr (their own rules)."""
+    old, new = saved.get("config", {}).get("optimizer"), current["config"]["optimizer"]
+    if not old:
+        return []
+    return [f"optimizer.{k} {old[k]!r} -> {v!r}" for k, v in new.items()
+            if k not in ("name", "lr") and k in old and old[k] != v]
