@@ -661,6 +661,16 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
+    def source_of(self, key: str) -> str:
+        """Where `key`'s value came from (the command line, the config file, or the default), as load_config
+        recorded it: for ConfigErrors found after loading (the layout against the world size, output folders)."""
+        origins = self.__dict__.get("_origins", {})
+        return origins.get(key, origins.get("", "default value"))
+
+    def with_source(self, error: ConfigError) -> ConfigError:
+        """`error` with the source of its key, unless it names one already."""
+        return error if error.source else error.with_source(self.source_of(error.key))
+
     def validate(self) -> None:
         """Types, then each section's own rules, then the rules that span sections."""
         for f in dataclasses.fields(self):
@@ -924,11 +934,12 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         origin[dotted] = cli_note
 
     cfg = JobConfig(**{s: cls(**_pack_extra(cls, values[s])) for s, cls in _SECTIONS.items()})
+    default_note = "default value" + (f"; {file_note}" if file_note else "")
+    object.__setattr__(cfg, "_origins", {**origin, "": default_note})  # not a field: the config is what it holds
     try:
         cfg.validate()
     except ConfigError as e:
-        default_note = "default value" + (f"; {file_note}" if file_note else "")
-        raise e.with_source(origin.get(e.key, default_note)) from None
+        raise cfg.with_source(e) from None
     if print_config:
         print(cfg.to_toml(), end="")
         raise SystemExit(0)

@@ -111,13 +111,17 @@ def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
     """The parallel layout checked against WORLD_SIZE (torchrun sets it before Python starts) and the model args,
     and on a GPU host the pinned memory of activation_checkpoint.offload_inputs against the host's: ConfigErrors
     naming the keys, raised before any process group starts (main() runs it first: exit 2)."""
-    dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size_from_env())
-    args = build_model_args(cfg)
-    validate_model_layout(dims, args, seq_len=cfg.training.seq_len, expert_fsdp=cfg.parallelism.expert_fsdp)
-    cfg.training.accumulation_steps(dims.dp)
-    if torch.cuda.is_available():
-        check_offload_host_memory(cfg, args, cp=dims.cp, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                                  available=host_available_memory())
+    try:
+        dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size_from_env())
+        args = build_model_args(cfg)
+        validate_model_layout(dims, args, seq_len=cfg.training.seq_len, expert_fsdp=cfg.parallelism.expert_fsdp)
+        cfg.training.accumulation_steps(dims.dp)
+        if torch.cuda.is_available():
+            check_offload_host_memory(cfg, args, cp=dims.cp,
+                                      local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                                      available=host_available_memory())
+    except ConfigError as e:
+        raise cfg.with_source(e) from None
     return dims, args
 
 

@@ -77,3 +77,19 @@ def test_an_existing_final_export_stops_the_run_before_training(tmp_path):
     check_output_folders(_cfg(tmp_path, "--training.steps", "9", *export_only[2:]))  # another step's export
     (tmp_path / "checkpoint" / "step-7").mkdir()
     check_output_folders(_cfg(tmp_path, *export_only))  # the run is complete: it writes nothing
+
+
+def test_errors_found_after_loading_name_where_the_value_came_from(tmp_path, monkeypatch):
+    """The layout and folder checks run after the config is loaded; their errors still say whether the key came
+    from the command line, the config file or a default, as a loading error does."""
+    from torchtitan_glm.train import check_layout
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError) as info:
+        check_layout(_cfg(tmp_path, "--training.local_batch_size", "3", "--training.global_batch_size", "4"))
+    assert info.value.source == ("command line --training.global_batch_size; config file "
+                                 "train_configs/debug_model.toml"), info.value
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError) as info:
+        check_output_folders(_cfg(tmp_path / "afile"))
+    assert info.value.source.startswith("command line --job.dump_folder"), info.value

@@ -41,11 +41,14 @@ def check_output_folders(cfg: Any) -> None:
         folders.append(("metrics.save_tb_folder", os.path.join(root, cfg.metrics.save_tb_folder)))
     if cfg.profiling.enable:
         folders.append(("profiling.trace_folder", os.path.join(root, cfg.profiling.trace_folder)))
-    for key, path in folders:
-        problem = _folder_problem(path)
-        if problem:
-            raise ConfigError(key, problem)
-    _check_final_export(cfg)
+    try:
+        for key, path in folders:
+            problem = _folder_problem(path)
+            if problem:
+                raise ConfigError(key, problem)
+        _check_final_export(cfg)
+    except ConfigError as e:
+        raise cfg.with_source(e) from None
 
 
 def _check_final_export(cfg: Any) -> None:
