@@ -4,6 +4,7 @@ training loop with its non-finite guard and graceful stop on SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import sys
@@ -86,13 +87,23 @@ class _SkippedSteps(Stateful):
         self.total, self.in_a_row = int(state_dict["total"]), int(state_dict["in_a_row"])
 
 
+def _free_port() -> int:
+    """A TCP port free on this host now, for the one process of a run started without torchrun."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_distributed(*, cpu_backend: bool = False) -> tuple[int, int, torch.device]:
     """Join the torchrun process group (NCCL on GPU, gloo on CPU); a plain `python train.py` is a world of one.
     cpu_backend: on GPU, gloo too for CPU tensors (optimizer.cpu_offload: the gradient norm of host gradients)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
+    if "MASTER_PORT" not in os.environ:  # `python train.py`: a free port, not a fixed one another job may hold
+        os.environ["MASTER_PORT"] = str(_free_port()) if world == 1 else "29500"
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world))
     if torch.cuda.is_available():
@@ -484,7 +495,10 @@ class Trainer:
         try:
             yield
         except BaseException:
-            self.logger.close()
+            try:
+                self.logger.close()
+            except OSError as close_error:  # e.g. the same read-only or full disk: the first error is the one to report
+                logger.warning("could not write out the TensorBoard events: %s", close_error)
             raise
 
     # -------------------------------------------------------------------------------------------- resume
@@ -494,6 +508,9 @@ class Trainer:
         cfg, ck = self.cfg, self.checkpointer
         step = ck.resume_step()
         if step is None:
+            self.logger.purge_from(1)  # an earlier run's events in this folder are superseded from step 1
+            if self.rank == 0:
+                self._say_what_a_fresh_start_leaves(ck.root)
             ck.load()
             initial = cfg.checkpoint.initial_load_path
             self._resume_state = "fresh start" + (f" from the weights in {initial}" if initial else "")
@@ -526,6 +543,10 @@ class Trainer:
                 if changed:
                     logger.warning("this run's settings differ from the checkpoint's (%s) and trained nothing with "
                                    "them: to train with them, use a new --job.dump_folder", ", ".join(changed))
+            export = os.path.join(ck.root, f"hf-step-{step}")
+            if cfg.checkpoint.last_save_in_hf and not (os.path.isdir(export) and os.listdir(export)):
+                ck.load(step)  # the final export this run asks for, from the final checkpoint
+                ck.export_hf(step)
             return step
         note = schedule_note(saved, self.run_info, step) if saved is not None else None
         ck.load(step)
@@ -541,6 +562,19 @@ class Trainer:
                 if line:
                     logger.warning(line)
         return step
+
+    def _say_what_a_fresh_start_leaves(self, root: str) -> None:
+        """Warn when a fresh start passes over an earlier run's outputs in its folder: checkpoints it does not resume
+        (checkpointing off), or HF exports (a model-only last save), which only initial_load_path reads."""
+        if not self.cfg.checkpoint.enable and list_checkpoints(root):
+            logger.warning("checkpoint.enable = false: the checkpoints in %s are not resumed from (this run starts "
+                           "at step 1 and saves none)", root)
+        exports = sorted(glob.glob(os.path.join(root, "hf-step-*")),
+                         key=lambda p: int(s) if (s := p.rsplit("-", 1)[1]).isdigit() else -1)
+        if exports and not self.cfg.checkpoint.initial_load_path:
+            logger.warning("%s holds the HF export %s of an earlier run, which a run does not resume from: this one "
+                           "starts fresh; to start from those weights, set checkpoint.initial_load_path = %s and "
+                           "checkpoint.initial_load_in_hf = true", root, exports[-1], exports[-1])
 
     # ------------------------------------------------------------------------------------------ stopping
     def _guard_nonfinite(self, m: dict[str, Any]) -> None:

@@ -72,4 +72,6 @@ def test_a_change_that_cannot_be_honoured_names_the_key(tmp_path, reference_run)
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "job.seed was 0, is 1 (it orders the documents); set it back" in errors[0], \
         res.stderr[-3000:]
+    assert "failed to load" not in errors[0], "the loader's own line, not DCP's wrapper"
+    assert "exitcode:2" in res.stderr.replace(" ", ""), res.stderr[-3000:]  # a setting to change
     assert PACKAGE_FRAME not in res.stderr + res.stdout, "an expected error prints no traceback"

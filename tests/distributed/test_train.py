@@ -217,3 +217,28 @@ def test_config_error_under_torchrun_is_printed_once_per_host(tmp_path):
     assert res.returncode != 0
     assert res.stderr.count("error: config error at `optimizer.name`") == 1, res.stderr[-3000:]
     assert "exitcode:2" in res.stderr.replace(" ", ""), res.stderr[-3000:]  # torchrun reports the worker's 2
+
+
+def test_python_train_py_does_not_need_port_29500(tmp_path):
+    """A plain `python train.py` (a world of one) picks a free port: another job holding torch's default 29500
+    made it fail with a rendezvous traceback."""
+    import socket
+
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", 29500))
+        holder.listen()
+    except OSError:
+        holder.close()
+        pytest.skip("port 29500 is taken on this host already")  # the case under test, but not held by this test
+    try:
+        env = dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        env.pop("MASTER_PORT", None)
+        res = subprocess.run([sys.executable, "train.py", "--config", "train_configs/debug_model.toml",
+                              "--training.steps", "1", "--lr_scheduler.warmup_steps", "0", "--training.seq_len", "32",
+                              "--checkpoint.enable", "false", f"--job.dump_folder={tmp_path}"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        holder.close()
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "step 1/1" in res.stdout + res.stderr

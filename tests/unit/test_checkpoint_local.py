@@ -253,6 +253,31 @@ def test_hf_hooks(tmp_path):
         _manager(tmp_path, parts, cfg, hf_load_fn=hf_load)
 
 
+def test_a_failed_final_export_is_one_line_naming_what_is_kept(tmp_path):
+    """A full disk at the model-only final export: one line naming the export folder and the newest checkpoint that
+    survives (it was a traceback, and nothing said that steps after that checkpoint were lost)."""
+    def full_disk(model, out_dir):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out_dir))
+
+    root = tmp_path / "checkpoint"
+    mgr = _manager(tmp_path, _build(seed=0), _Cfg(interval=3, last_save_in_hf=True, last_save_model_only=True),
+                   hf_save_fn=full_disk)
+    assert mgr.save(3)
+    with pytest.raises(CheckpointError) as info:
+        mgr.save(6, last=True)
+    assert str(info.value) == (f"the HF export of step 6 into {root / 'hf-step-6'} failed: No space left on device "
+                               f"({root / 'hf-step-6'}); the newest checkpoint kept is {root / 'step-3'}")
+
+
+def test_a_checkpoint_folder_that_cannot_be_created_is_one_line(tmp_path):
+    """The first save creates the checkpoint folder: when that fails (a read-only file system, a file in the way),
+    the error is the save's one line, not a traceback from the folder's creation."""
+    (tmp_path / "dump").write_text("a file where the dump folder should be")
+    mgr = _manager(tmp_path / "dump", _build(seed=0))
+    with pytest.raises(CheckpointError, match=r"^checkpoint save of step 1 into .*step-1\.tmp failed: Not a directory"):
+        mgr.save(1)
+
+
 def test_last_save_model_only_writes_the_hf_export_alone(tmp_path):
     root = tmp_path / "checkpoint"
     exported = []

@@ -39,12 +39,12 @@ def test_resume_mismatches_name_the_key_and_both_values():
 
 def test_schedule_note_says_what_the_resumed_scheduler_does():
     """The note's numbers (3 significant digits) are the LR the real scheduler gives after a resume (its saved state
-    loaded into a scheduler built for the new length, with a different optimizer.lr: the saved peak wins)."""
+    loaded into a scheduler built for the new length, with a lower optimizer.lr: this run's peak applies)."""
     saved, longer = _info("--training.steps", "10"), _info("--training.steps", "20", "--optimizer.lr", "1e-3")
     note = schedule_note(saved, longer, 10)
-    m = re.fullmatch(r"the LR schedule changed since the checkpoint \(training\.steps 10 -> 20\): step 11 runs at lr "
-                     r"(\S+) where the saved schedule gives (\S+), then follows the new schedule to lr (\S+) at step "
-                     r"20; optimizer\.lr is 0\.001 but a resumed run keeps the checkpoint's peak lr 0\.003", note)
+    m = re.fullmatch(r"the LR schedule changed since the checkpoint \(optimizer\.lr 0\.003 -> 0\.001, training\.steps "
+                     r"10 -> 20\): step 11 runs at lr (\S+) where the saved schedule gives (\S+), then follows the "
+                     r"new schedule to lr (\S+) at step 20", note)
     assert m, note
 
     def scheduler(steps: int, lr: float):
@@ -107,8 +107,8 @@ def test_optimizer_note_names_the_changed_settings():
 
 
 def test_a_resume_applies_this_runs_optimizer_settings(tmp_path, world_of_one, caplog):
-    """The checkpoint keeps the moments and the LR; betas, eps, weight decay and the implementation are this run's
-    (before, the checkpoint's param groups replaced them without a word)."""
+    """The checkpoint keeps the moments and the schedule's position; the peak lr, betas, eps, weight decay and the
+    implementation are this run's (before, the checkpoint's param groups replaced them without a word)."""
     import torch.distributed as dist
 
     from torchtitan_glm.train import Trainer
@@ -119,11 +119,14 @@ def test_a_resume_applies_this_runs_optimizer_settings(tmp_path, world_of_one, c
     Trainer(load_config([*argv, "--training.steps", "2"])).train()
     dist.destroy_process_group()
     changed = ["--optimizer.weight_decay", "0.5", "--optimizer.beta1", "0.5", "--optimizer.eps", "1e-4",
-               "--optimizer.implementation", "for-loop"]
+               "--optimizer.implementation", "for-loop", "--optimizer.lr", "1e-4"]
     with caplog.at_level("WARNING", logger="torchtitan_glm.train"):
         trainer = Trainer(load_config([*argv, "--training.steps", "3", *changed]))
         trainer.train()
     groups = trainer.optimizer.param_groups
+    # the lowered peak lr applies from the resume on (step 3 of 3 ran at 1e-4 x the schedule's factor at step 2)
+    factor = trainer.lr_scheduler.lr_lambdas[0](2)
+    assert 0 < factor <= 1 and all(g["lr"] == pytest.approx(1e-4 * factor) for g in groups), [g["lr"] for g in groups]
     assert {g["weight_decay"] for g in groups} == {0.5, 0.0}
     assert all(g["betas"] == (0.5, 0.95) and g["eps"] == 1e-4 and not g["foreach"] and not g["fused"]
                for g in groups)
@@ -284,3 +287,62 @@ def test_a_complete_run_says_which_new_settings_trained_nothing(tmp_path, world_
     assert any(m.startswith("training is complete") for m in messages)
     assert "this run's settings differ from the checkpoint's (float8.enable False -> True, optimizer.eps 1e-08 -> " \
            "1e-06) and trained nothing with them: to train with them, use a new --job.dump_folder" in messages
+
+
+def test_a_complete_run_writes_the_final_export_it_asks_for(tmp_path, world_of_one):
+    """A finished run re-run with checkpoint.last_save_in_hf = true writes the export from its final checkpoint
+    (there was no other way to get one without training more steps)."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from torchtitan_glm.train import Trainer
+
+    argv = ["--config", "train_configs/debug_model.toml", "--training.seq_len", "32", "--training.local_batch_size",
+            "1", "--training.steps", "1", "--lr_scheduler.warmup_steps", "0", "--metrics.enable_tensorboard", "false",
+            f"--job.dump_folder={tmp_path}"]
+    first = Trainer(load_config(argv))
+    first.train()
+    weights = {k: v.detach().full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
+               for k, v in first.model.state_dict().items()}
+    dist.destroy_process_group()
+    export = tmp_path / "checkpoint" / "hf-step-1"
+    assert not export.exists()
+    assert Trainer(load_config([*argv, "--checkpoint.last_save_in_hf", "true"])).train() == []
+    tensors = load_file(export / "model.safetensors")
+    name = "model.language_model.embed_tokens.weight"
+    assert torch.equal(tensors[name], weights["embed_tokens.weight"].to(tensors[name].dtype))
+
+
+def test_a_fresh_start_says_what_it_passes_over_and_supersedes_old_events(tmp_path, world_of_one, caplog):
+    """A fresh start in a folder of an earlier run: an HF-only final save is not resumed (the run says how to start
+    from it), checkpoints with checkpointing off are not resumed (it says so), and TensorBoard shows this run's
+    steps, not a mix of both runs'."""
+    import torch.distributed as dist
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from torchtitan_glm.train import Trainer
+
+    argv = ["--config", "train_configs/debug_model.toml", "--training.seq_len", "32", "--training.local_batch_size",
+            "1", "--training.steps", "2", "--lr_scheduler.warmup_steps", "0", "--metrics.log_freq", "1",
+            f"--job.dump_folder={tmp_path}"]
+    export_only = ["--checkpoint.last_save_in_hf", "true", "--checkpoint.last_save_model_only", "true"]
+    # one step: its last event (step 1) is this run's first, which TensorBoard's own out-of-order purge misses
+    first = Trainer(load_config([*argv, *export_only, "--training.steps", "1", "--optimizer.lr", "1e-2"])).train()
+    dist.destroy_process_group()
+    root = tmp_path / "checkpoint"
+    with caplog.at_level("WARNING", logger="torchtitan_glm.train"):
+        again = Trainer(load_config([*argv, "--optimizer.lr", "1e-4"])).train()
+    dist.destroy_process_group()
+    assert [r.getMessage() for r in caplog.records if "HF export" in r.getMessage()] == [
+        f"{root} holds the HF export {root / 'hf-step-1'} of an earlier run, which a run does not resume from: this "
+        f"one starts fresh; to start from those weights, set checkpoint.initial_load_path = {root / 'hf-step-1'} "
+        "and checkpoint.initial_load_in_hf = true"]
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("loss")] == pytest.approx(again), "the first run's events are superseded"
+    assert len(first) == 1 and len(again) == 2
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="torchtitan_glm.train"):
+        Trainer(load_config([*argv, "--checkpoint.enable", "false", "--training.steps", "1"])).train()
+    assert any(r.getMessage() == f"checkpoint.enable = false: the checkpoints in {root} are not resumed from (this "
+               "run starts at step 1 and saves none)" for r in caplog.records)

@@ -51,7 +51,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from torchtitan_glm.components.errors import CheckpointError, NonFiniteError, ResumeMismatchError, one_line
+from torchtitan_glm.components.errors import (CheckpointError, ExpectedError, NonFiniteError, ResumeMismatchError,
+                                              one_line)
 from torchtitan_glm.float8 import plain_tensors
 
 __all__ = ["CheckpointManager", "list_checkpoints", "step_dir", "MANIFEST", "RUN_INFO"]
@@ -146,8 +147,9 @@ class _OptimizerState(Stateful):
     Which parameters share a param group follows the layout (optimizer.param_groups: plain and DTensor parameters
     apart), so a checkpoint of another layout can hold another partition, even another number of groups. DCP loads
     the groups index by index into the template, so the template holds as many groups as the checkpoint
-    (`saved_groups`), and the loaded groups' settings are then laid over this run's partition by FQN: torch's
-    set_optimizer_state_dict would leave a group no saved group maps to without its settings."""
+    (`saved_groups`); this run's partition and settings then replace the loaded groups but for their LR (regroup):
+    torch's set_optimizer_state_dict would pair groups by index, and leave a group no saved group maps to without
+    its settings."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, saved_groups: int | None = None) -> None:
         self.model, self.optimizer, self.saved_groups = model, optimizer, saved_groups
@@ -178,9 +180,10 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-# Param-group settings a resume takes from the checkpoint: the LR schedule's (the resumed scheduler continues from
-# them). Every other setting (betas, eps, weight_decay, the implementation flags) is this run's [optimizer]: a
-# changed one applies from the resume step on, and the trainer says so (resume.optimizer_note).
+# Param-group settings a resume takes from the checkpoint: the lr of the restored step (a scheduler that sets it
+# when loaded, as the trainer's WarmupDecayLR does with this run's peak lr, overrides it). Every other setting
+# (betas, eps, weight_decay, the implementation flags) is this run's [optimizer]: a changed one applies from the
+# resume step on, and the trainer says so (resume.optimizer_note).
 _SAVED_GROUP_KEYS = ("lr", "initial_lr")
 
 
@@ -313,10 +316,10 @@ class CheckpointManager:
             self._check_finite(step)
             if not model_only:
                 tmp = step_dir(self.root, step) + ".tmp"
-                self._on_rank0(self._remove_stale_tmp)
                 self._train_state.step = step
                 start = time.perf_counter()
                 try:
+                    self._on_rank0(self._remove_stale_tmp)  # creates the folder: a read-only one fails here
                     if self.cfg.async_mode == "async" and not (last or force):
                         future = dcp.async_save(self.states, checkpoint_id=tmp,
                                                 storage_writer=self._storage_writer(tmp), **self._dcp_kw)
@@ -331,10 +334,24 @@ class CheckpointManager:
                     raise self._save_failed(step, e) from e
                 self._last_saved_step = step
         if last and self.cfg.last_save_in_hf:
-            out_dir = os.path.join(self.root, f"hf-step-{step}")
-            self.hf_save_fn(self.model, out_dir)
-            logger.info("exported HF checkpoint to %s", out_dir)
+            self.export_hf(step)
         return True
+
+    def export_hf(self, step: int) -> str:
+        """The HF export of the model as it is, to `hf-step-{step}` (hf_save_fn); CheckpointError in one line naming
+        the folder and the newest DCP checkpoint kept, if it fails. Collective."""
+        out_dir = os.path.join(self.root, f"hf-step-{step}")
+        try:
+            self.hf_save_fn(self.model, out_dir)
+        except CheckpointError:
+            raise
+        except _ERRORS as e:
+            kept = list_checkpoints(self.root)
+            raise CheckpointError(f"the HF export of step {step} into {out_dir} failed: {_reason(e)}; "
+                                  + (f"the newest checkpoint kept is {step_dir(self.root, kept[-1])}" if kept else
+                                     "no checkpoint of this run is kept")) from e
+        logger.info("exported HF checkpoint to %s", out_dir)
+        return out_dir
 
     def _storage_writer(self, path: str) -> dcp.StorageWriter:
         """The DCP writer of a save into `path` (one file per rank, fsynced). A hook: tests slow it down."""
@@ -563,6 +580,9 @@ class CheckpointManager:
         try:
             dcp.load(states, checkpoint_id=path, **self._dcp_kw)
         except _ERRORS as e:
+            inner = _expected_inside(e)
+            if inner is not None:  # e.g. the data loader refusing this run's data: its own line and exit code
+                raise inner from e
             raise CheckpointError(f"failed to load checkpoint {path}: {one_line(e)}") from e
         if self._train_state.step != step:
             raise CheckpointError(f"checkpoint {path} holds step {self._train_state.step}, not {step}")
@@ -593,7 +613,10 @@ class CheckpointManager:
         """Model weights from a DCP folder: ours (keys under "model."; verified if it has a manifest) or a bare
         model state dict."""
         if not os.path.isfile(os.path.join(path, _METADATA)):
-            raise CheckpointError(f"checkpoint.initial_load_path {path} is not a DCP checkpoint (no {_METADATA})")
+            hf = os.path.isfile(os.path.join(path, "config.json"))
+            raise CheckpointError(f"checkpoint.initial_load_path {path} is not a DCP checkpoint (no {_METADATA})"
+                                  + ("; it holds a config.json: for HF weights set checkpoint.initial_load_in_hf = "
+                                     "true" if hf else ""), usage=True)
         if os.path.isfile(os.path.join(path, MANIFEST)):
             problem = self._verify(path)
             if problem:
@@ -605,7 +628,8 @@ class CheckpointManager:
             misfit = _model_misfit(self.model, meta, prefix=_MODEL + "." if ours else "")
             if misfit:
                 raise CheckpointError(f"checkpoint.initial_load_path {path} does not fit this model: {misfit}; its "
-                                      f"run's model arguments ({RUN_INFO} beside it) differ from this run's")
+                                      f"run's model arguments ({RUN_INFO} beside it) differ from this run's",
+                                      usage=True)
             if ours:
                 dcp.load({_MODEL: _ModelState(self.model)}, checkpoint_id=path, **self._dcp_kw)
             else:
@@ -616,6 +640,19 @@ class CheckpointManager:
             raise
         except _ERRORS as e:
             raise CheckpointError(f"failed to load model weights from {path}: {one_line(e)}") from e
+
+
+def _expected_inside(e: BaseException) -> ExpectedError | None:
+    """The project's own error that a state's load_state_dict raised inside DCP (DCP re-raises it wrapped, one per
+    failed rank, as a CheckpointException whose message carries the tracebacks), if that is what failed."""
+    if isinstance(e, ExpectedError):
+        return e
+    failures = getattr(e, "failures", None) or {}
+    for failure in failures.values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, ExpectedError):
+            return inner
+    return None
 
 
 def _model_misfit(model: nn.Module, meta: dict[str, Any], *, prefix: str) -> str | None:

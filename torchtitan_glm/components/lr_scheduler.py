@@ -42,13 +42,17 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay_type: str
 
 
 class WarmupDecayLR(LambdaLR):
-    """LambdaLR whose load_state_dict also sets each group's lr for the restored step, so a resume is exact
-    whether or not (and in whichever order) the optimizer's own state is loaded. A tensor lr (torchao's low-bit
-    optimizers keep one, and refuse a float) is filled in place."""
+    """LambdaLR whose load_state_dict keeps this run's peak lr (optimizer.lr: lowering it after a loss spike is what
+    a resume is for, and an unchanged one resumes exactly) and sets each group's lr for the restored step. The
+    checkpoint loads the optimizer before the scheduler, so that lr is what the first resumed step uses. A tensor
+    lr (torchao's low-bit optimizers keep one, and refuse a float) is filled in place."""
 
     def load_state_dict(self, state_dict: dict) -> None:
+        peaks = list(self.base_lrs)
         super().load_state_dict(state_dict)
+        self.base_lrs = peaks
         for group, base, fn in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas):
+            group["initial_lr"] = base
             lr = base * fn(self.last_epoch)
             if isinstance(group["lr"], torch.Tensor):
                 group["lr"].fill_(float(lr))

@@ -75,29 +75,26 @@ def schedule_note(saved: dict[str, Any], current: dict[str, Any], step: int) -> 
     """One sentence on what the LR does when a run resumes at `step` with a changed schedule (None: the LR of every
     step left is what the saved schedule gives, e.g. a changed `training.steps` that moves no decay).
 
-    The resumed scheduler keeps the checkpoint's peak lr (its saved base_lrs) and applies this run's schedule."""
+    The resumed scheduler keeps its position (the step) and runs this run's schedule at this run's peak lr
+    (optimizer.lr), so a lowered lr applies from the resume step on."""
     old_cfg, new_cfg = saved.get("config"), current["config"]
     if not old_cfg:
         return None
-    keys = [("training", "steps")] + [("lr_scheduler", k) for k in new_cfg["lr_scheduler"]]
+    keys = [("optimizer", "lr"), ("training", "steps")] + [("lr_scheduler", k) for k in new_cfg["lr_scheduler"]]
     changed = [f"{sec}.{k} {old_cfg[sec][k]!r} -> {new_cfg[sec][k]!r}" for sec, k in keys
                if old_cfg.get(sec, {}).get(k) != new_cfg[sec][k]]
-    peak = old_cfg["optimizer"]["lr"]
+    old_peak, new_peak = old_cfg["optimizer"]["lr"], new_cfg["optimizer"]["lr"]
     end = new_cfg["training"]["steps"]
-    note = []
     # the first step left whose LR differs (the saved schedule holds its final LR past its own end)
-    first = next((s for s in range(step, end) if changed
-                  and not math.isclose(_lr(old_cfg, s, peak), _lr(new_cfg, s, peak), rel_tol=1e-12)), None)
-    if first is not None:
-        before, after = _lr(old_cfg, first, peak), _lr(new_cfg, first, peak)
-        where = f"step {first + 1}" if first == step else f"the same LR to step {first}, then step {first + 1}"
-        note.append(f"the LR schedule changed since the checkpoint ({', '.join(changed)}): {where} runs at "
-                    f"lr {after:.3g} where the saved schedule gives {before:.3g}, then follows the new schedule to "
-                    f"lr {_lr(new_cfg, end - 1, peak):.3g} at step {end}")
-    if new_cfg["optimizer"]["lr"] != peak:
-        note.append(f"optimizer.lr is {new_cfg['optimizer']['lr']!r} but a resumed run keeps the checkpoint's peak lr "
-                    f"{peak!r}")
-    return "; ".join(note) or None
+    first = next((s for s in range(step, end) if changed and not math.isclose(
+        _lr(old_cfg, s, old_peak), _lr(new_cfg, s, new_peak), rel_tol=1e-12)), None)
+    if first is None:
+        return None
+    before, after = _lr(old_cfg, first, old_peak), _lr(new_cfg, first, new_peak)
+    where = f"step {first + 1}" if first == step else f"the same LR to step {first}, then step {first + 1}"
+    return (f"the LR schedule changed since the checkpoint ({', '.join(changed)}): {where} runs at lr {after:.3g} "
+            f"where the saved schedule gives {before:.3g}, then follows the new schedule to lr "
+            f"{_lr(new_cfg, end - 1, new_peak):.3g} at step {end}")
 
 
 def layout_note(saved: dict[str, Any], current: dict[str, Any], *, next_row: int) -> str | None:
@@ -162,7 +159,7 @@ def precision_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[st
 def optimizer_note(saved: dict[str, Any], current: dict[str, Any], step: int) -> str | None:
     """One sentence on a resume with other [optimizer] settings than the checkpoint's (None: unchanged). The moments
     carry over; this run's betas, eps, weight decay and implementation apply from step `step` + 1 (the checkpoint
-    keeps only the LR, which the schedule sets: checkpoint.regroup). name and lr have their own rules."""
+    loads this run's param groups). name (refused) and lr (schedule_note) have their own rules."""
     changed = optimizer_changes(saved, current)
     if not changed:
         return None
