@@ -25,6 +25,7 @@ memory-mapped pass). Every problem raises DataError naming the file (and line or
 from __future__ import annotations
 
 import codecs
+import hashlib
 import json
 import logging
 import os
@@ -46,6 +47,9 @@ logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _CHUNK_BYTES = 16 << 20  # read size of the up-front checks
+_FINGERPRINT_BYTES = 1 << 20  # a token file's fingerprint hashes this much of its start and of its end
+# Identity keys added after checkpoints were first written: a checkpoint whose identity lacks one still resumes.
+_ADDED_IDENTITY_KEYS = frozenset({"files"})
 
 
 # ------------------------------------------------------------------------------------------------ documents
@@ -328,12 +332,15 @@ class _BinRows:
         rows = np.asarray([len(a) // row_len for a in self._arrays], dtype=np.int64)
         self._first_row = np.concatenate([[0], np.cumsum(rows)])
         self.num_rows = int(self._first_row[-1])
+        self._files_identity = [{"name": os.path.basename(path), "size": os.path.getsize(path),
+                                 "sha256": _fingerprint(path)} for path in files]
         if self.num_rows == 0:
             raise DataError(f"token file(s) {self.description} hold no whole row of {row_len} tokens "
                              "(training.seq_len + 1)")
 
-    def identity(self) -> dict[str, int]:
-        return {"rows_per_epoch": self.num_rows}
+    def identity(self) -> dict[str, Any]:
+        """Rows per epoch and, per file, its name, size and content fingerprint (a changed file must not resume)."""
+        return {"rows_per_epoch": self.num_rows, "files": [dict(f) for f in self._files_identity]}
 
     def row(self, k: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
         g = k % self.num_rows
@@ -345,6 +352,55 @@ class _BinRows:
         starts[1:] = tokens[:-1] == self.eos_id
         name = f"{self.files[f]} row {local} (tokens {local * self.row_len}..{(local + 1) * self.row_len - 1})"
         return tokens, starts, [name]
+
+
+def _fingerprint(path: str) -> str:
+    """SHA-256 of a file's size, first MiB and last MiB (the whole file when it is smaller than 2 MiB).
+
+    Not of the whole file: token files are often many GB, and every rank computes this when the loader is built.
+    It catches a file rewritten with other tokens of the same size; an edit confined to the middle of a large
+    file goes unseen."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(str(size).encode())
+    try:
+        with open(path, "rb") as f:
+            if size <= 2 * _FINGERPRINT_BYTES:
+                h.update(f.read())
+            else:
+                h.update(f.read(_FINGERPRINT_BYTES))
+                f.seek(size - _FINGERPRINT_BYTES)
+                h.update(f.read(_FINGERPRINT_BYTES))
+    except OSError as e:
+        raise DataError(f"cannot read data file {path}: {e.strerror or e}") from None
+    return h.hexdigest()
+
+
+def _identity_diff(was: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """How the checkpoint's data identity `was` differs from this run's `now`, one phrase per difference (empty: the
+    same data). A key of _ADDED_IDENTITY_KEYS that only one side has is not compared: a checkpoint written before
+    it existed resumes."""
+    keys = sorted(k for k in {**was, **now} if (k in was and k in now) or k not in _ADDED_IDENTITY_KEYS)
+    out = []
+    for k in keys:
+        a, b = was.get(k), now.get(k)
+        if a == b:
+            continue
+        if k == "files" and isinstance(a, list) and isinstance(b, list):
+            if len(a) != len(b):
+                out.append(f"{len(a)} file(s) were read, now {len(b)}")
+            for fa, fb in zip(a, b):
+                if fa == fb:
+                    continue
+                if fa.get("name") != fb.get("name"):
+                    out.append(f"file {fa.get('name')} is now {fb.get('name')}")
+                elif fa.get("size") != fb.get("size"):
+                    out.append(f"file {fb.get('name')} was {fa.get('size')} bytes, is {fb.get('size')}")
+                else:
+                    out.append(f"file {fb.get('name')} has other content (same size; SHA-256 of its first and "
+                               "last MiB differs)")
+        else:
+            out.append(f"{k} was {a}, is {b}")
+    return out
 
 
 def _check_token_ids(path: str, tokens: np.ndarray, vocab_size: int, dtype: str) -> None:
@@ -426,13 +482,11 @@ class PackedDataLoader:
         if state_dict["seed"] != self.seed:
             raise ResumeMismatchError(f"cannot continue the data of the checkpoint: job.seed was {state_dict['seed']}, is "
                              f"{self.seed} (it orders the documents); set it back")
-        if state_dict["data"] != self.stream.identity():
-            was, now = state_dict["data"], self.stream.identity()
-            diff = "; ".join(f"{k} was {was.get(k)}, is {now.get(k)}" for k in sorted({**was, **now})
-                             if was.get(k) != now.get(k))
+        diff = _identity_diff(state_dict["data"], self.stream.identity())
+        if diff:
             raise ResumeMismatchError(f"cannot continue the data of the checkpoint: the data ({where}) differs from the "
-                             f"checkpoint's ({diff}); set data.source / data.paths / data.tokenizer / data.add_eos "
-                             "back, or start fresh with a new --job.dump_folder")
+                             f"checkpoint's ({'; '.join(diff)}); set data.source / data.paths / data.tokenizer / "
+                             "data.add_eos back or restore the file(s), or start fresh with a new --job.dump_folder")
         self.position = int(state_dict["position"])
 
 
