@@ -271,6 +271,11 @@ class _TextRows:
     def identity(self) -> dict[str, int]:
         return {"documents": len(self.corpus), "tokens_per_epoch": self.epoch_tokens}
 
+    def stats(self) -> dict[str, Any]:
+        """What one epoch holds (the start-up summary's data row): rows are fractional, the stream wraps mid-row."""
+        return {"files": list(self.corpus.files), "documents": len(self.corpus), "tokens": self.epoch_tokens,
+                "rows_per_epoch": self.epoch_tokens / self.row_len}
+
     def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         if epoch not in self._orders:
             perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.corpus))
@@ -321,14 +326,14 @@ class _BinRows:
         self.description = ", ".join(files)
         itemsize = np.dtype(dtype).itemsize
         self._arrays = []
+        self.documents = 0
         for path in files:
             size = os.path.getsize(path)
             if size % itemsize:
                 raise DataError(f"token file {path}: size {size} is not a multiple of data.bin_dtype={dtype} "
                                 f"({itemsize} bytes)")
             self._arrays.append(np.memmap(path, dtype=dtype, mode="r") if size else np.empty(0, dtype=dtype))
-            if vocab_size is not None:
-                _check_token_ids(path, self._arrays[-1], vocab_size, dtype)
+            self.documents += _scan_tokens(path, self._arrays[-1], eos_id=eos_id, vocab_size=vocab_size, dtype=dtype)
         rows = np.asarray([len(a) // row_len for a in self._arrays], dtype=np.int64)
         self._first_row = np.concatenate([[0], np.cumsum(rows)])
         self.num_rows = int(self._first_row[-1])
@@ -341,6 +346,12 @@ class _BinRows:
     def identity(self) -> dict[str, Any]:
         """Rows per epoch and, per file, its name, size and content fingerprint (a changed file must not resume)."""
         return {"rows_per_epoch": self.num_rows, "files": [dict(f) for f in self._files_identity]}
+
+    def stats(self) -> dict[str, Any]:
+        """What one epoch holds (the start-up summary's data row): tokens in the files, of which the tail of each
+        file past its last whole row is never read."""
+        return {"files": list(self.files), "documents": self.documents,
+                "tokens": int(sum(len(a) for a in self._arrays)), "rows_per_epoch": self.num_rows}
 
     def row(self, k: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
         g = k % self.num_rows
@@ -403,16 +414,20 @@ def _identity_diff(was: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return out
 
 
-def _check_token_ids(path: str, tokens: np.ndarray, vocab_size: int, dtype: str) -> None:
-    """DataError naming the first token id >= vocab_size in `tokens` (a memory-mapped file), read in chunks."""
+def _scan_tokens(path: str, tokens: np.ndarray, *, eos_id: int, vocab_size: int | None, dtype: str) -> int:
+    """The documents of `tokens` (a memory-mapped file, read in chunks): its eos tokens, plus one for text after
+    the last. With vocab_size, DataError naming the first token id >= vocab_size."""
     step = max(1, _CHUNK_BYTES // tokens.itemsize)
+    documents = int(len(tokens) > 0 and tokens[-1] != eos_id)
     for start in range(0, len(tokens), step):
         chunk = tokens[start : start + step]
-        if int(chunk.max()) >= vocab_size:
+        documents += int(np.count_nonzero(chunk == eos_id))
+        if vocab_size is not None and int(chunk.max()) >= vocab_size:
             pos = start + int(np.argmax(chunk >= vocab_size))
             raise DataError(f"token file {path} holds token id {int(tokens[pos])} at position {pos}, but the model's "
                             f"vocab_size is {vocab_size}: was it tokenized with another tokenizer, or is "
                             f"data.bin_dtype ({dtype}) wrong?")
+    return documents
 
 
 # ---------------------------------------------------------------------------------------------- batching
@@ -448,8 +463,9 @@ class PackedDataLoader:
     """
 
     def __init__(self, stream: _TextRows | _BinRows, *, local_batch_size: int, dp_rank: int, dp_world_size: int,
-                 seed: int) -> None:
+                 seed: int, source: str = "") -> None:
         self.stream, self.local_batch_size, self.dp_rank = stream, local_batch_size, dp_rank
+        self.source = source  # data.source, named in the start-up summary
         self.global_batch_rows = local_batch_size * dp_world_size
         self.seed = seed
         self.position = 0  # global rows consumed: the next global batch starts at this row
@@ -464,6 +480,12 @@ class PackedDataLoader:
         self.position += self.global_batch_rows
         self.last_documents = list(dict.fromkeys(name for r in rows for name in r[2]))
         return pack_batch(np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]))
+
+    def summary(self) -> dict[str, Any]:
+        """The data this loader reads, for the start-up summary: source (data.source), files, documents, tokens and
+        rows_per_epoch (rows of seq_len + 1 tokens in one pass over the data), and global_batch_rows."""
+        return {"source": self.source, **self.stream.stats(), "row_len": self.stream.row_len,
+                "global_batch_rows": self.global_batch_rows}
 
     def state_dict(self) -> dict[str, Any]:
         return {"position": self.position, "global_batch_rows": self.global_batch_rows,
@@ -520,4 +542,4 @@ def build_dataloader(*, cfg: DataConfig, tokenizer: Any, seq_len: int, local_bat
         stream = _TextRows(corpus, tokenizer, add_eos=cfg.add_eos, row_len=row_len, seed=seed,
                            lengths=_doc_lengths(corpus, tokenizer, cfg.add_eos, group))
     return PackedDataLoader(stream, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
-                            seed=seed)
+                            seed=seed, source=cfg.source)

@@ -12,10 +12,11 @@ from torch import nn
 
 __all__ = [
     "init_logging", "format_block", "format_count", "format_bytes", "precision_line", "local_shard",
-    "memory_per_rank", "device_memory", "loss_buffers", "startup_summary",
+    "memory_per_rank", "device_memory", "loss_buffers", "data_line", "startup_summary",
 ]
 
 _PACKAGE = "torchtitan_glm"
+logger = logging.getLogger(__name__)
 
 
 def init_logging(*, rank: int) -> None:
@@ -156,14 +157,37 @@ def compute_line(cfg: Any) -> str:
     return f"{compiled}; " + ", ".join(parts)
 
 
+def data_line(data: dict[str, Any], *, steps: int, global_batch_rows: int) -> tuple[str, str | None]:
+    """The summary's data row from PackedDataLoader.summary() (source, files, documents, tokens, rows per epoch)
+    and how many epochs `steps` global batches of `global_batch_rows` rows cover, so that repeated data is seen
+    before training; and a warning (None if not) when one global batch holds more rows than an epoch."""
+    files = data["files"]
+    names = ", ".join(files[:3]) + (f", ... ({len(files)} files)" if len(files) > 3 else "")
+    where = f"{len(files)} standard-library files" if data["source"] == "builtin" else names
+    rows = data["rows_per_epoch"]
+    rows_text = f"{rows:,}" if isinstance(rows, int) else f"{rows:,.1f}"
+    epochs = steps * global_batch_rows / rows
+    line = (f"{data['source']} ({where}): {data['documents']:,} documents, {format_count(data['tokens'])} tokens, "
+            f"{rows_text} rows of {data['row_len']} tokens per epoch; {steps} steps x {global_batch_rows} rows = "
+            f"{epochs:.3g} epochs")
+    warning = None
+    if global_batch_rows > rows:
+        warning = (f"one global batch ({global_batch_rows} rows of {data['row_len']} tokens) holds more rows than an "
+                   f"epoch of the data ({rows_text}): every step repeats rows, {epochs:.3g} epochs in "
+                   f"{steps} steps; add data (data.paths) or lower training.local_batch_size / "
+                   "training.global_batch_size")
+    return line, warning
+
+
 def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_size: int, device: torch.device,
                     resume: str, layout: str = "", device_bytes: int | None = None, host_pinned: int = 0,
-                    planned: str | None = None, planned_speed: str | None = None) -> str:
+                    planned: str | None = None, planned_speed: str | None = None, dataloader: Any = None) -> str:
     """The block rank 0 logs before the first step: model, parameters, layout, precision, memory per rank,
     tokens per step, where outputs go, and whether the run resumes. `device_bytes` (the accelerator's memory): a
     "fits" row saying when parameters, gradients and optimizer states alone already exceed it. `host_pinned`: the
     host bytes activation_checkpoint.offload_inputs pins per rank (a row when > 0). `planned`, `planned_speed`: the
-    planner's peak (activations included) and step time, rows when given."""
+    planner's peak (activations included) and step time, rows when given. `dataloader` (a PackedDataLoader): a
+    data row (data_line), and a WARNING logged when one global batch holds more rows than an epoch."""
     from torchtitan_glm.components.metrics import count_params
     from torchtitan_glm.models.glm5.moe import GroupedExperts
 
@@ -180,6 +204,11 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
     backend = "nccl" if device.type == "cuda" else "gloo"
     micro = cfg.training.accumulation_steps(dp_size)
     tokens = cfg.training.tokens_per_step(dp_size)
+    if dataloader is not None:
+        data_row, repeats = data_line(dataloader.summary(), steps=cfg.training.steps,
+                                      global_batch_rows=dataloader.global_batch_rows * micro)
+        if repeats:
+            logger.warning(repeats)
     ck = cfg.checkpoint
     saving = "async" if ck.async_mode == "async" else "synchronous"
     checkpoints = (f"{os.path.join(cfg.job.dump_folder, ck.folder)} (every {ck.interval} steps, keep "
@@ -209,6 +238,7 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
                         + (f" x {micro} microbatches accumulated: training.global_batch_size "
                            f"{cfg.training.global_batch_size} rows)" if micro > 1 else ")")),
         ("steps", f"{cfg.training.steps} (on non-finite loss: {cfg.training.on_nonfinite})"),
+        *([("data", data_row)] if dataloader is not None else []),
         ("dump folder", cfg.job.dump_folder),
         ("tensorboard", tensorboard),
         ("checkpoints", checkpoints),
