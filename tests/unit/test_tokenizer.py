@@ -138,3 +138,22 @@ def test_save_pretrained_writes_the_extra_files_and_refuses_bad_names(tmp_path):
         with pytest.raises(ValueError, match="extra file"):
             save_pretrained(model, tmp_path / "bad", extra_files={bad: b"x"})
         assert not (tmp_path / "bad").exists()
+
+
+def test_hf_export_of_a_bare_tokenizer_json_declares_the_trainers_eos(tmp_path):
+    """A folder holding only tokenizer.json: the export gets a tokenizer_config.json naming the eos (and pad) the
+    trainer resolved, so transformers' AutoTokenizer loads the same specials; an existing one passes through."""
+    from transformers import AutoTokenizer
+
+    (tmp_path / "tok").mkdir()
+    _train_tiny_tokenizer(tmp_path / "tok" / "tokenizer.json")
+    tok = HFTokenizer(str(tmp_path / "tok"))
+    files = tok.hf_files()
+    assert sorted(files) == ["tokenizer.json", "tokenizer_config.json"]
+    auto = AutoTokenizer.from_pretrained(str(_write(tmp_path / "export", files)))
+    assert auto.eos_token == "<|endoftext|>" and auto.eos_token_id == tok.eos_id
+    assert auto.pad_token_id == tok.pad_id and auto.bos_token is None
+    assert auto(TEXT, add_special_tokens=False)["input_ids"] == tok.encode(TEXT)
+    # re-read as the trainer would: the same specials
+    again = HFTokenizer(str(tmp_path / "export"))
+    assert (again.bos_id, again.eos_id, again.pad_id) == (tok.bos_id, tok.eos_id, tok.pad_id)

@@ -111,7 +111,9 @@ class HFTokenizer:
     SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # copied from beside tokenizer.json
 
     def hf_files(self) -> dict[str, bytes]:
-        """Its tokenizer.json and the side files found beside it, byte for byte."""
+        """Its tokenizer.json and the side files found beside it, byte for byte. Without a tokenizer_config.json
+        beside it, one is written declaring the specials this tokenizer resolved (eos, and bos/pad when found):
+        otherwise transformers' AutoTokenizer loads the export with eos None, not the eos training packed with."""
         folder = os.path.dirname(self.path)
         files = {"tokenizer.json": self.path}
         files.update({n: p for n in self.SIDE_FILES if os.path.isfile(p := os.path.join(folder, n))})
@@ -123,7 +125,19 @@ class HFTokenizer:
             except OSError as e:
                 raise TokenizerError(f"data.tokenizer: cannot read {path} for the HF export: {e.strerror or e}") \
                     from None
+        if "tokenizer_config.json" not in out:
+            out["tokenizer_config.json"] = json.dumps(self._resolved_config(), indent=2).encode()
         return out
+
+    def _resolved_config(self) -> dict[str, object]:
+        """A tokenizer_config.json naming the specials resolved from tokenizer.json's names (no special tokens
+        added on encode, as in training)."""
+        config: dict[str, object] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        for key, idx in (("bos_token", self.bos_id), ("eos_token", self.eos_id), ("pad_token", self.pad_id)):
+            if idx is not None:
+                config[key] = self._tok.id_to_token(idx)
+        config["clean_up_tokenization_spaces"] = False
+        return config
 
 
 def _read_declared_specials(path: str) -> dict[str, str]:
