@@ -463,3 +463,19 @@ def test_text_identity_against_a_bin_checkpoint_is_still_refused(tmp_path):
 
     assert _identity_diff({"rows_per_epoch": 3}, {"rows_per_epoch": 3, "files": []}) == []
     assert _identity_diff({"rows_per_epoch": 3}, {"documents": 4, "tokens_per_epoch": 9})
+
+
+def test_a_text_key_the_data_lacks_is_a_setting_error(tmp_path):
+    """data.text_key missing from the first document: the setting is wrong, exit 2; missing from a later line
+    after documents that had it: the data is wrong, exit 1."""
+    from torchtitan_glm.components.errors import EXIT_ERROR, EXIT_USAGE
+
+    path = write_jsonl(tmp_path / "d.jsonl", ["a", "b"], key="content")
+    with pytest.raises(DataError, match=r"d\.jsonl:1: expected a JSON object with key 'text' \(data\.text_key\)") as e:
+        make_loader(DataConfig(source="jsonl", paths=[path]), seq_len=8, batch=1)
+    assert e.value.exit_code == EXIT_USAGE
+    later = tmp_path / "later.jsonl"
+    later.write_text('{"text": "ok"}\n{"content": "x"}\n')
+    with pytest.raises(DataError, match=r"later\.jsonl:2: .*'text'") as e:
+        make_loader(DataConfig(source="jsonl", paths=[str(later)]), seq_len=8, batch=1)
+    assert e.value.exit_code == EXIT_ERROR

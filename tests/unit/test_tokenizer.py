@@ -157,3 +157,12 @@ def test_hf_export_of_a_bare_tokenizer_json_declares_the_trainers_eos(tmp_path):
     # re-read as the trainer would: the same specials
     again = HFTokenizer(str(tmp_path / "export"))
     assert (again.bos_id, again.eos_id, again.pad_id) == (tok.bos_id, tok.eos_id, tok.pad_id)
+
+
+def test_a_tokenizer_without_eos_is_a_setting_error(tmp_path):
+    from torchtitan_glm.components.errors import EXIT_USAGE
+
+    _train_tiny_tokenizer(tmp_path / "tokenizer.json", specials=("<unk>",))
+    with pytest.raises(TokenizerError, match=r"data\.tokenizer: tokenizer .*tokenizer\.json has no eos token") as e:
+        HFTokenizer(str(tmp_path))
+    assert e.value.exit_code == EXIT_USAGE

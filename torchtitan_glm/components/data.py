@@ -141,14 +141,16 @@ class _FileCorpus:
                             "since the start of the run?") from None
 
 
-def _jsonl_text(raw: bytes, path: str, lineno: int, text_key: str) -> str:
-    """The text of one jsonl line; DataError naming `path:lineno` when it is not an object with a string there."""
+def _jsonl_text(raw: bytes, path: str, lineno: int, text_key: str, *, first: bool = False) -> str:
+    """The text of one jsonl line; DataError naming `path:lineno` when it is not an object with a string there.
+    first: no earlier document was read, so an object without text_key means the setting is wrong (exit 2)."""
     try:
         obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path}:{lineno}: invalid JSON: {e}; fix or remove that line") from None
     if not isinstance(obj, dict) or text_key not in obj:
-        raise DataError(f"{path}:{lineno}: expected a JSON object with key {text_key!r} (data.text_key)")
+        raise DataError(f"{path}:{lineno}: expected a JSON object with key {text_key!r} (data.text_key)",
+                        usage=first and isinstance(obj, dict))
     text = obj[text_key]
     if not isinstance(text, str):
         raise DataError(f"{path}:{lineno}: {text_key!r} is {type(text).__name__}, expected a string")
@@ -169,7 +171,7 @@ class _JsonlCorpus:
                 pos = 0
                 for lineno, line in enumerate(f, start=1):
                     if line.strip():
-                        _jsonl_text(line, path, lineno, text_key)
+                        _jsonl_text(line, path, lineno, text_key, first=not offsets)
                         file_idx.append(fi)
                         offsets.append(pos)
                         lines.append(lineno)

@@ -91,7 +91,7 @@ class HFTokenizer:
         if eos is None:
             raise TokenizerError(f"data.tokenizer: tokenizer {file} has no eos token (looked for "
                                  f"{list(_EOS_NAMES)} and tokenizer_config.json eos_token); packing needs one to "
-                                 "separate documents")
+                                 "separate documents", usage=True)
         self.eos_id: int = eos
         self.pad_id = self._special_id(declared.get("pad_token"), _PAD_NAMES)
 
