@@ -479,3 +479,27 @@ def test_a_text_key_the_data_lacks_is_a_setting_error(tmp_path):
     with pytest.raises(DataError, match=r"later\.jsonl:2: .*'text'") as e:
         make_loader(DataConfig(source="jsonl", paths=[str(later)]), seq_len=8, batch=1)
     assert e.value.exit_code == EXIT_ERROR
+
+
+def test_skip_that_leaves_out_every_file_says_so(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"ok" + bytes([0xFF]))
+    (tmp_path / "b.txt").write_bytes(bytes([0xC3]))
+    with pytest.raises(DataError, match=r"is empty \(no documents\): data\.errors='skip' left out all 2 txt "
+                                        r"file\(s\) as not valid UTF-8 text, the first, .*a\.txt, at byte 2"):
+        make_loader(DataConfig(source="txt", paths=[str(tmp_path)], errors="skip"), seq_len=8, batch=1)
+
+
+def test_a_glob_in_data_paths_is_named_as_not_expanded_and_a_directory_is_read_recursively(tmp_path):
+    from torchtitan_glm.components.errors import EXIT_USAGE
+
+    (tmp_path / "sub" / "deeper").mkdir(parents=True)
+    top = write_jsonl(tmp_path / "a.jsonl", ["top"])
+    deep = write_jsonl(tmp_path / "sub" / "deeper" / "b.jsonl", ["deep"])
+    with pytest.raises(DataError, match=r"file not found: .*/\*\.jsonl \(glob patterns are not expanded: give the "
+                                        r"directory instead") as e:
+        make_loader(DataConfig(source="jsonl", paths=[str(tmp_path / "*.jsonl")]), seq_len=8, batch=1)
+    assert e.value.exit_code == EXIT_USAGE
+    loader = make_loader(DataConfig(source="jsonl", paths=[str(tmp_path)]), seq_len=8, batch=1)
+    assert loader.stream.corpus.files == [top, deep]  # the directory's files, nested ones included
+    with pytest.raises(DataError, match=r"file not found: .*missing\.jsonl$"):  # no hint without glob characters
+        make_loader(DataConfig(source="jsonl", paths=[str(tmp_path / "missing.jsonl")]), seq_len=8, batch=1)

@@ -25,6 +25,7 @@ memory-mapped pass). Every problem raises DataError naming the file (and line or
 from __future__ import annotations
 
 import codecs
+import glob
 import hashlib
 import json
 import logging
@@ -40,7 +41,7 @@ from torchtitan_glm.components.errors import DataError, ResumeMismatchError
 from torchtitan_glm.components.tokenizer import ByteTokenizer
 from torchtitan_glm.config import DataConfig
 
-__all__ = ["PackedDataLoader", "build_dataloader", "builtin_corpus_files"]
+__all__ = ["PackedDataLoader", "build_dataloader", "builtin_corpus_files", "glob_hint"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,15 @@ def builtin_corpus_files() -> list[str]:
     return sorted(files)
 
 
+def glob_hint(path: str) -> str:
+    """For a data.paths entry that does not exist: a note when it holds glob characters (*, ?, [), which nothing
+    expands (a directory is read instead, recursively); "" otherwise."""
+    if not glob.has_magic(path):
+        return ""
+    return (" (glob patterns are not expanded: give the directory instead, whose files of the data.source's suffix "
+            "are read recursively)")
+
+
 def _expand(paths: list[str], suffix: str) -> list[str]:
     """Files as given; directories expanded to their sorted `*suffix` files (recursively)."""
     out: list[str] = []
@@ -75,7 +85,8 @@ def _expand(paths: list[str], suffix: str) -> list[str]:
         elif os.path.isfile(p):
             out.append(p)
         else:
-            raise DataError(f"data.paths: file not found: {p}")
+            hint = glob_hint(p)
+            raise DataError(f"data.paths: file not found: {p}{hint}", usage=bool(hint))
     return out
 
 
@@ -100,7 +111,8 @@ def _utf8_error(path: str) -> str | None:
 
 def _check_text_files(files: list[str], errors: str, *, log: bool) -> list[str]:
     """The txt files to train on under data.errors: "strict" raises at the first file that is not UTF-8, "skip"
-    leaves such files out (with one warning), "replace" keeps everything unchecked."""
+    leaves such files out (with one warning; DataError saying so when that leaves none), "replace" keeps
+    everything unchecked."""
     if errors == "replace":
         return files
     bad = [(path, where) for path in files if (where := _utf8_error(path)) is not None]
@@ -114,7 +126,13 @@ def _check_text_files(files: list[str], errors: str, *, log: bool) -> list[str]:
         logger.warning("data.errors='skip': leaving out %d of %d txt file(s) that are not valid UTF-8: %s%s",
                        len(bad), len(files), ", ".join(p for p, _ in bad[:5]), " ..." if len(bad) > 5 else "")
     skipped = {p for p, _ in bad}
-    return [p for p in files if p not in skipped]
+    kept = [p for p in files if p not in skipped]
+    if not kept:
+        path, where = bad[0]
+        raise DataError(f"corpus {', '.join(files)} is empty (no documents): data.errors='skip' left out all "
+                        f"{len(bad)} txt file(s) as not valid UTF-8 text, the first, {path}, at {where}; convert "
+                        "them, or set data.errors to 'replace' (decode bad bytes as U+FFFD)")
+    return kept
 
 
 class _FileCorpus:
