@@ -306,3 +306,14 @@ def test_expert_time_counts_the_forwards_that_ac_and_moe_chunks_re_run(mode, rer
     plain = json.loads(run(proxy))["time"]["compute_s"]["expert_gemm"]
     chunked = json.loads(run([*proxy, "--activation_checkpoint.moe_chunk_tokens", "512"]))["time"]["compute_s"]
     assert chunked["expert_gemm"] == pytest.approx(plain * (4 + reruns) / (3 + reruns), rel=1e-3)
+
+
+def test_what_if_names_the_trainers_reason_for_a_layout_of_the_wrong_size(monkeypatch):
+    """tp = 3 does not divide 2 GPUs: --what-if cannot plan it either, and says why as the trainer does (not 'the
+    layout ... dp_shard=0 ... uses 0 GPUs')."""
+    layout = ["--parallelism.tensor_parallel_degree", "3"]
+    message = _trainer_error([*DEBUG, *layout], 2, monkeypatch)
+    for what_if in ([], ["--what-if"]):
+        with pytest.raises(ConfigError) as err:
+            run([*DEBUG, "--gpus", "2", *what_if, *layout])
+        assert str(err.value) == message

@@ -264,7 +264,9 @@ def plan(request: Request) -> Plan:
         verdict = trainer_verdict(rest, layout, gpus=request.gpus, explicit_shard="dp_shard" in fields)
         if not verdict.accepted and not request.what_if:
             raise verdict.error
-        if layout.gpus != request.gpus:
+        if layout.gpus != request.gpus:  # --what-if cannot plan it either: the trainer's reason, if it gave one
+            if verdict.error is not None:
+                raise verdict.error
             raise PlanError(f"the layout {layout.describe()} uses {layout.gpus} GPUs, not --gpus {request.gpus}")
     inv = build_inventory(cfg, scope=request.scope)
     if request.scope == "train":
