@@ -48,6 +48,17 @@ def load(checkpoint: str | None, hf: str | None, *, dtype: torch.dtype, device: 
     return model, tok
 
 
+def _hf_export_hint(checkpoint: str | None) -> str:
+    """For a --checkpoint folder that holds only HF exports (checkpoint.last_save_model_only): '; try --hf <newest>'."""
+    if not checkpoint or not os.path.isdir(checkpoint):
+        return ""
+    steps = [(int(n[len("hf-step-"):]), n) for n in os.listdir(checkpoint)
+             if n.startswith("hf-step-") and n[len("hf-step-"):].isdigit()]
+    if not steps:
+        return ""
+    return f"; it holds HF exports: try --hf {os.path.join(checkpoint, max(steps)[1])}"
+
+
 def main(argv: list[str] | None = None) -> list[int]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
@@ -86,7 +97,7 @@ def main(argv: list[str] | None = None) -> list[int]:
     try:
         model, tok = load(a.checkpoint, a.hf, dtype=DTYPES[a.dtype], device=device, tokenizer=a.tokenizer)
     except OSError as e:  # an unreadable or incomplete checkpoint folder, named by the loader
-        p.error(f"cannot load {source}: {e}")
+        p.error(f"cannot load {source}: {e}{_hf_export_hint(a.checkpoint)}")
     if a.prompt is not None:
         if tok is None:
             p.error("this checkpoint has no tokenizer: give --prompt-ids (or --tokenizer)")

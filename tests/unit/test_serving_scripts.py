@@ -113,6 +113,16 @@ def test_generate_script_names_a_missing_checkpoint_and_stops_at_eos_id(tmp_path
     assert ids[4:] == full[:full.index(stop) + 1]  # generation ends at the first eos, which it emits
 
 
+def test_generate_script_points_a_checkpoint_folder_of_hf_exports_to_hf(tmp_path, capsys):
+    """checkpoint.last_save_model_only leaves only hf-step-N in the folder: the error names the newest and --hf."""
+    save_pretrained(_debug_model(), tmp_path / "checkpoint" / "hf-step-2")
+    save_pretrained(_debug_model(), tmp_path / "checkpoint" / "hf-step-10")
+    with pytest.raises(SystemExit) as info:
+        _script("generate").main(["--checkpoint", str(tmp_path / "checkpoint"), "--prompt-ids", "5"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert info.value.code == 2 and f"try --hf {tmp_path / 'checkpoint' / 'hf-step-10'}" in err
+
+
 def test_rollout_agreement_script_json(tmp_path):
     """The report's documented fields; FP32 paths agree to rounding and select the same pools; serving's FP8
     indexer against an unemulated actor is a real perturbation (random weights of a useful size, from --hf)."""
