@@ -29,9 +29,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def load(checkpoint: str | None, hf: str | None, *, dtype: torch.dtype, device: torch.device,
          tokenizer: str | None = None):
     """(model, tokenizer or None) from a DCP (--checkpoint) or HF (--hf) checkpoint; `tokenizer` overrides."""
-    from torchtitan_glm.components.tokenizer import HFTokenizer, build_tokenizer
-    from torchtitan_glm.config import DataConfig
-
     if checkpoint:
         from torchtitan_glm.models.glm5.dcp_io import from_dcp
 
@@ -42,10 +39,15 @@ def load(checkpoint: str | None, hf: str | None, *, dtype: torch.dtype, device: 
 
         model = from_pretrained(hf, dtype=dtype, device=device, keep_extra_tensors=False).eval()
         name = tokenizer or (hf if os.path.isfile(os.path.join(hf, "tokenizer.json")) else None)
-    if not name:
-        return model, None
-    tok = build_tokenizer(cfg=DataConfig(tokenizer=name)) if name == "byte" else HFTokenizer(name)
-    return model, tok
+    return model, (tokenizer_from(name) if name else None)
+
+
+def tokenizer_from(name: str):
+    """The tokenizer named 'byte' or by a tokenizer.json path (or the folder holding one)."""
+    from torchtitan_glm.components.tokenizer import HFTokenizer, build_tokenizer
+    from torchtitan_glm.config import DataConfig
+
+    return build_tokenizer(cfg=DataConfig(tokenizer=name)) if name == "byte" else HFTokenizer(name)
 
 
 def _hf_export_hint(checkpoint: str | None) -> str:

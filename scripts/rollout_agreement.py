@@ -19,13 +19,15 @@ Precisions (each applied to both paths unless said):
   fp8_indexer_trained   BF16; both paths with the FP8 indexer (training with indexer_fp8_emulation)
 
 JSON (--json): {"model", "device", "sequences", "prompt_tokens": [per sequence], "continuation_tokens",
-"variants": {name: {"tokens", "pearson", "mean_abs_diff", "max_abs_diff", "top1_agreement", "indexer_overlap":
-[per DSA layer with an indexer], "decode_seconds"}}}. pearson/diffs are over the continuation tokens' log-probs;
+"variants": {name: {"tokens", "pearson", "pearson_undefined", "mean_abs_diff", "max_abs_diff", "top1_agreement",
+"indexer_overlap": [per DSA layer with an indexer], "decode_seconds"}}}. pearson/diffs are over the continuation
+tokens' log-probs; pearson is null where undefined (fewer than 2 tokens, or constant), pearson_undefined says why;
 top1_agreement is the fraction of those positions where both paths' argmax tokens agree; indexer_overlap is, per
 DSA layer, the mean over decoded queries of |A & B| / |A| with A, B the tokens of the pools each path selected
 (the query's own tail, identical by construction, left out).
 
-Prompts: --jsonl (one {"prompt": text or ids, "continuation": text or ids} per line; text needs a tokenizer;
+Prompts: --jsonl (one {"prompt": text or ids, "continuation": text or ids} per line; text needs a tokenizer:
+--tokenizer, else the --hf export's tokenizer.json or the --checkpoint run's data.tokenizer;
 continuations of different lengths are cut to the shortest, since all rows decode together) or the
 embedded corpus (this Python's standard library, byte tokenizer), where prompt i has --prompt-len - (i % 4) tokens
 so prompts end at every offset within a pool.
@@ -54,7 +56,7 @@ from torchtitan_glm.models.glm5.dsa import SparseMLA  # noqa: E402
 from torchtitan_glm.models.glm5.hf_io import _cast_for_load  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16", "fp8_split", "fp8_indexer", "fp8_indexer_trained")
-FIELDS = ("tokens", "pearson", "mean_abs_diff", "max_abs_diff", "top1_agreement", "indexer_overlap", "decode_seconds")
+FIELDS = ("tokens", "pearson", "pearson_undefined", "mean_abs_diff", "max_abs_diff", "top1_agreement", "indexer_overlap", "decode_seconds")
 
 
 # ----------------------------------------------------------------------------------------------- sequences
@@ -100,7 +102,8 @@ def jsonl_sequences(path: str, tok) -> list[tuple[list, list]]:
             for part in parts:
                 if isinstance(part, str):
                     if tok is None:
-                        raise SystemExit(f"{path}:{lineno}: text needs a tokenizer (--tokenizer), or give token ids")
+                        raise SystemExit(f"{path}:{lineno}: text needs a tokenizer: the model source has none "
+                                         "(no tokenizer.json / run data.tokenizer); give --tokenizer or token ids")
                     ids.append(tok.encode(part))
                 else:
                     ids.append([int(i) for i in part])
@@ -183,12 +186,21 @@ def _pool_part(indices: torch.Tensor, indexer) -> torch.Tensor:
     return indices[..., : indices.shape[-1] - tail].long()
 
 
+def _pearson(x: torch.Tensor, y: torch.Tensor) -> tuple[float | None, str | None]:
+    """(Pearson correlation, None), or (None, why) where it is undefined: fewer than 2 values or a constant side."""
+    if x.numel() < 2:
+        return None, f"{x.numel()} log-prob, needs >= 2"
+    if bool(x.min() == x.max()) or bool(y.min() == y.max()):
+        return None, "constant log-probs"
+    xc, yc = x - x.mean(), y - y.mean()
+    return float((xc * yc).sum() / ((xc * xc).sum() * (yc * yc).sum()).sqrt()), None
+
+
 def compare(a, b) -> dict[str, object]:
     """Agreement of the decode path `b` with the training path `a` (module docstring)."""
     (lp_a, top_a, sel_a), (lp_b, top_b, sel_b, seconds) = a, b
     x, y = lp_a.flatten().double(), lp_b.flatten().double()
-    xc, yc = x - x.mean(), y - y.mean()
-    pearson = float((xc * yc).sum() / ((xc * xc).sum() * (yc * yc).sum()).sqrt().clamp_min(1e-300))
+    pearson, why = _pearson(x, y)
     diff = (x - y).abs()
     overlaps = []
     for layer_a, layer_b in zip(sel_a, sel_b):
@@ -200,7 +212,7 @@ def compare(a, b) -> dict[str, object]:
                     hits += len(sa & sb) / len(sa)
                     total += 1
         overlaps.append(hits / total if total else 1.0)
-    return {"tokens": x.numel(), "pearson": pearson, "mean_abs_diff": float(diff.mean()),
+    return {"tokens": x.numel(), "pearson": pearson, "pearson_undefined": why, "mean_abs_diff": float(diff.mean()),
             "max_abs_diff": float(diff.max()), "top1_agreement": float((top_a == top_b).double().mean()),
             "indexer_overlap": overlaps, "decode_seconds": seconds}
 
@@ -229,7 +241,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--continuation-len", type=int, default=128)
     p.add_argument("--jsonl", default=None, help="prompts and continuations (see the module docstring)")
-    p.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer.json, for text in --jsonl")
+    p.add_argument("--tokenizer", default=None,
+                   help="'byte' or a tokenizer.json, for text in --jsonl (default: the checkpoint's, as generate.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", default=None)
@@ -246,28 +259,37 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         p.error(f"--jsonl {a.jsonl}: no such file")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {a.device}: no CUDA device is visible (use --device cpu)")
+    if a.tokenizer not in (None, "byte") and not os.path.exists(a.tokenizer):
+        p.error(f"--tokenizer {a.tokenizer}: no such file (give 'byte' or a tokenizer.json path)")
+    source = a.hf or a.checkpoint
+    if source and not os.path.exists(source):
+        p.error(f"{'--hf' if a.hf else '--checkpoint'} {source} does not exist")
+    if not source:
+        try:
+            flavor = get_flavor(a.flavor).replace(num_nextn_predict_layers=0)
+        except ValueError as e:
+            p.error(f"--flavor: {e}")
     device = torch.device(a.device)
     torch.manual_seed(a.seed)
-    if a.hf or a.checkpoint:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from generate import load
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from generate import load, tokenizer_from  # the checkpoint's tokenizer as generate.py finds it
 
-        base, _ = load(a.checkpoint, a.hf, dtype=torch.bfloat16, device=device)
-        label = a.hf or a.checkpoint
+    if source:
+        try:
+            base, tok = load(a.checkpoint, a.hf, dtype=torch.bfloat16, device=device, tokenizer=a.tokenizer)
+        except OSError as e:  # an unreadable or incomplete checkpoint folder, named by the loader
+            p.error(f"cannot load {source}: {e}")
+        label = source
     else:
+        tok = tokenizer_from(a.tokenizer) if a.tokenizer else None
         with torch.device("meta"):
-            base = Glm5Model(get_flavor(a.flavor).replace(num_nextn_predict_layers=0))
+            base = Glm5Model(flavor)
         base.to_empty(device=device)
         base.init_weights()
         _cast_for_load(base, torch.bfloat16)
         label = a.flavor
     base.eval()
     if a.jsonl:
-        tok = None
-        if a.tokenizer:
-            from torchtitan_glm.components.tokenizer import ByteTokenizer, HFTokenizer
-
-            tok = ByteTokenizer() if a.tokenizer == "byte" else HFTokenizer(a.tokenizer)
         seqs = jsonl_sequences(a.jsonl, tok)
         if not seqs or min(len(pr) for pr, _ in seqs) < 1 or min(len(c) for _, c in seqs) < 1:
             p.error(f"--jsonl {a.jsonl}: every line needs a non-empty prompt and continuation")
@@ -301,8 +323,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
           "indexer overlap per DSA layer")
     for name, r in result["variants"].items():
         overlap = ", ".join(f"{100 * o:.2f}%" for o in r["indexer_overlap"])
-        print(f"  {name:20s} {r['pearson']:9.6f} {r['mean_abs_diff']:9.2e} {r['max_abs_diff']:9.2e} "
+        pearson = f"{r['pearson']:9.6f}" if r["pearson"] is not None else f"{'n/a':>9s}"
+        print(f"  {name:20s} {pearson} {r['mean_abs_diff']:9.2e} {r['max_abs_diff']:9.2e} "
               f"{100 * r['top1_agreement']:6.2f}%  {overlap}")
+    for name, r in result["variants"].items():
+        if r["pearson_undefined"]:
+            print(f"  {name}: pearson n/a ({r['pearson_undefined']})")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)

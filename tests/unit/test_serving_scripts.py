@@ -163,11 +163,56 @@ def test_rollout_agreement_jsonl_input(tmp_path):
 @pytest.mark.parametrize("args,words", [
     (["--num-sequences", "0"], "--num-sequences"), (["--continuation-len", "0"], "--continuation-len"),
     (["--prompt-len", "-5"], "--prompt-len"), (["--jsonl", "/nonexistent/x.jsonl"], "--jsonl"),
+    (["--flavor", "nonexist"], "--flavor"), (["--hf", "/nonexistent/hf"], "--hf"),
+    (["--checkpoint", "/nonexistent/ckpt"], "--checkpoint"), (["--tokenizer", "/nonexistent/t.json"], "--tokenizer"),
 ])
 def test_rollout_agreement_refuses_bad_arguments(capsys, args, words):
     with pytest.raises(SystemExit) as info:
         _script("rollout_agreement").main(["--flavor", "debug", "--device", "cpu", *args])
-    assert info.value.code == 2 and words in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and words in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_rollout_agreement_text_prompts_use_the_checkpoints_tokenizer(tmp_path, capsys):
+    """Text in --jsonl without --tokenizer: the --hf export's tokenizer.json, or the DCP run's data.tokenizer (here
+    'byte'), as generate.py finds them."""
+    from tests.unit.test_tokenizer import _train_tiny_tokenizer
+    from torchtitan_glm.components.tokenizer import HFTokenizer
+
+    lines = tmp_path / "seqs.jsonl"
+    lines.write_text(json.dumps({"prompt": "hello world, hello", "continuation": " tokenizer"}) + "\n")
+    model = _debug_model()
+    save_pretrained(model, tmp_path / "hf")
+    _train_tiny_tokenizer(tmp_path / "hf" / "tokenizer.json")
+    tok = HFTokenizer(str(tmp_path / "hf"))
+    result = _script("rollout_agreement").main(["--hf", str(tmp_path / "hf"), "--device", "cpu", "--precisions",
+                                                "fp32", "--jsonl", str(lines)])
+    assert result["prompt_tokens"] == [len(tok.encode("hello world, hello"))]
+    assert result["continuation_tokens"] == len(tok.encode(" tokenizer"))
+    cfg = JobConfig()
+    opt = torch.optim.AdamW(model.parameters())
+    CheckpointManager(cfg=CheckpointConfig(enable=True, interval=1), dump_folder=str(tmp_path), model=model,
+                      optimizer=opt, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                      dataloader=_Loader(),
+                      run_info=run_info(cfg=cfg, args=model.args, tokenizer_vocab_size=259)).save(1)
+    result = _script("rollout_agreement").main(["--checkpoint", os.path.join(str(tmp_path), cfg.checkpoint.folder),
+                                                "--device", "cpu", "--precisions", "fp32", "--jsonl", str(lines)])
+    assert result["prompt_tokens"] == [len("hello world, hello")]  # the run's byte tokenizer
+
+
+def test_rollout_agreement_pearson_of_one_token_is_undefined(tmp_path, capsys):
+    """One sequence, one continuation token: one log-prob per path, no correlation: n/a with the reason, not 0."""
+    lines = tmp_path / "seqs.jsonl"
+    lines.write_text(json.dumps({"prompt": [40, 41, 42, 43], "continuation": [7]}) + "\n")
+    result = _script("rollout_agreement").main(["--flavor", "debug", "--device", "cpu", "--precisions", "fp32",
+                                                "--jsonl", str(lines)])
+    r = result["variants"]["fp32"]
+    assert r["tokens"] == 1 and r["pearson"] is None and "needs >= 2" in r["pearson_undefined"]
+    out = capsys.readouterr().out
+    assert "n/a" in out and "needs >= 2" in out and "0.000000" not in out
+    rollout = _script("rollout_agreement")
+    x = torch.tensor([-1.0, -1.0, -1.0], dtype=torch.float64)
+    assert rollout._pearson(x, x + torch.tensor([0.0, 0.1, 0.2], dtype=torch.float64)) == (None, "constant log-probs")
 
 
 def test_rollout_agreement_names_ids_outside_the_vocabulary(tmp_path, capsys):
