@@ -5,6 +5,8 @@
 
 Per batch size: prefill seconds, decode milliseconds per step and tokens/s (batch x steps / time; eager PyTorch, one
 step = one Python pass over the layers), peak GPU memory. Random token prompts, seeded random init (or --hf).
+On CPU a seeded flavor is refused before it is built when its FP32 parameters (init runs in FP32, then the cast
+to --dtype) would take over half the host's available memory (MemAvailable), e.g. the ~7B proxy: use --flavor debug.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from torchtitan_glm.components.logs import host_available_memory  # noqa: E402
 from torchtitan_glm.models.glm5 import Glm5Model, from_pretrained, get_flavor  # noqa: E402
 from torchtitan_glm.models.glm5.decode import decode_step, prefill  # noqa: E402
 from torchtitan_glm.models.glm5.hf_io import _cast_for_load  # noqa: E402
@@ -66,19 +69,45 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    try:
+        batches = [int(x) for x in a.batch.split(",")]
+    except ValueError:
+        p.error(f"--batch must be comma-separated integers, got {a.batch!r}")
+    if min(batches) < 1:
+        p.error(f"--batch sizes must be >= 1, got {a.batch!r}")
+    for flag, value, least in (("--prompt-len", a.prompt_len, 1), ("--steps", a.steps, 1),
+                               ("--warmup", a.warmup, 0)):
+        if value < least:
+            p.error(f"{flag} must be >= {least}, got {value}")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {a.device}: no CUDA device is visible (use --device cpu)")
+    if a.hf and not os.path.exists(a.hf):
+        p.error(f"--hf {a.hf} does not exist")
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     torch.manual_seed(0)
     if a.hf:
-        model = from_pretrained(a.hf, dtype=dtype, device=device, keep_extra_tensors=False)
+        try:
+            model = from_pretrained(a.hf, dtype=dtype, device=device, keep_extra_tensors=False)
+        except OSError as e:  # no config.json / safetensors, named by the loader
+            p.error(f"--hf: cannot load {a.hf}: {e}")
     else:
+        try:
+            args = get_flavor(a.flavor).replace(num_nextn_predict_layers=0)
+        except ValueError as e:
+            p.error(f"--flavor: {e}")
         with torch.device("meta"):
-            model = Glm5Model(get_flavor(a.flavor).replace(num_nextn_predict_layers=0))
+            model = Glm5Model(args)
+        available = host_available_memory() if device.type == "cpu" else None
+        need = 4 * sum(t.numel() for t in model.parameters())  # init_weights runs in FP32
+        if available is not None and need > available / 2:
+            p.error(f"--flavor {a.flavor}: {need / 4e9:.1f}B parameters need {need / 2**30:.1f} GiB in FP32 on the "
+                    f"CPU, over half the {available / 2**30:.1f} GiB available; use --flavor debug (or a GPU)")
         model.to_empty(device=device)
         model.init_weights()
         _cast_for_load(model, dtype)
     model.eval()
     rows = []
-    for b in (int(x) for x in a.batch.split(",")):
+    for b in batches:
         r = bench(model, batch=b, prompt_len=a.prompt_len, steps=a.steps, warmup=a.warmup, device=device)
         rows.append(r)
         peak = f", peak {r['peak_gib']:.1f} GiB" if r["peak_gib"] is not None else ""
