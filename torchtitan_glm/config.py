@@ -73,7 +73,9 @@ class _Section:
 
     def _path_exists(self, key: str, path: str) -> None:
         if not os.path.exists(path):
-            self._fail(key, f"path does not exist: {path}")
+            from torchtitan_glm.components.data import glob_hint  # data.py imports this module
+
+            self._fail(key, f"path does not exist: {path}" + (glob_hint(path) if key == "paths" else ""))
 
 
 @dataclass(frozen=True)

@@ -437,7 +437,7 @@ class Trainer:
                                         layout=self.dims.describe(), device_bytes=device_bytes,
                                         host_pinned=offload_pinned_bytes(cfg, self.args, cp=self.dims.cp)
                                         if device_bytes else 0,
-                                        planned=peak, planned_speed=speed))
+                                        planned=peak, planned_speed=speed, dataloader=self.dataloader))
         self.step = restored or 0
         missed = self.profiler.missed(self.step + 1)
         if missed and self.rank == 0:
