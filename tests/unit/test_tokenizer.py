@@ -112,6 +112,12 @@ def test_byte_tokenizer_export_gives_the_same_ids(tmp_path):
     assert (hf.vocab_size, hf.bos_id, hf.eos_id, hf.pad_id) == (259, 256, 257, 258)
     assert (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id) == (256, 257, 258) and len(auto) == 259
     assert hf.decode([256, *byte.encode("hi"), 257, 258]) == "hi"  # specials dropped, as the byte tokenizer does
+    # Ids that are not valid UTF-8 (a sampled token, a row cut mid-character) decode as the byte tokenizer does:
+    # only the bad bytes become U+FFFD (a byte-fallback decoder turned the whole run into U+FFFD).
+    assert auto.decode([*byte.encode("import os"), 140]) == "import os\ufffd"
+    for _ in range(500):
+        ids = [rng.randrange(259) for _ in range(rng.randrange(1, 16))]
+        assert hf.decode(ids) == byte.decode(ids) and auto.decode(ids, skip_special_tokens=True) == byte.decode(ids), ids
 
 
 def test_hf_tokenizer_export_copies_its_files(tmp_path):

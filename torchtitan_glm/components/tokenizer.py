@@ -46,19 +46,30 @@ class ByteTokenizer:
     SPECIAL_NAMES = ("<|byte_bos|>", "<|byte_eos|>", "<|byte_pad|>")  # ids 256, 257, 258 in an HF export
 
     def hf_files(self) -> dict[str, bytes]:
-        """tokenizer.json and tokenizer_config.json of the same ids: a BPE with no merges whose vocabulary is the
-        256 byte tokens `<0xNN>` (id = byte), so every character falls back to its UTF-8 bytes, and the specials
-        as added tokens. As in any HF tokenizer, a literal special name in the text encodes as that special."""
+        """tokenizer.json and tokenizer_config.json of the same ids, decoding as `decode` does: byte-level (GPT-2's
+        byte-to-character map) with a vocabulary of the 256 byte characters (id = byte) and no merges, and the
+        specials as added tokens. Its decoder turns the bytes back into text replacing only invalid UTF-8, as
+        `decode` does; a byte-fallback tokenizer would turn a whole run of bytes into U+FFFD for one bad byte. As
+        in any HF tokenizer, a literal special name in the text encodes as that special."""
         from tokenizers import Tokenizer as _HFTok
-        from tokenizers import decoders, models
+        from tokenizers import decoders, models, pre_tokenizers
 
-        tok = _HFTok(models.BPE(vocab={f"<0x{b:02X}>": b for b in range(256)}, merges=[], byte_fallback=True))
-        tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+        tok = _HFTok(models.BPE(vocab={c: b for b, c in _byte_level_chars().items()}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens(list(self.SPECIAL_NAMES))
         bos, eos, pad = self.SPECIAL_NAMES
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, "pad_token": pad,
                   "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False}
         return {"tokenizer.json": tok.to_str().encode(), "tokenizer_config.json": json.dumps(config, indent=2).encode()}
+
+
+def _byte_level_chars() -> dict[int, str]:
+    """The character `tokenizers`' ByteLevel pre-tokenizer writes for each byte (GPT-2's map: the printable
+    Latin-1 bytes stand for themselves, the other 68 take the characters from U+0100 on, in byte order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = (b for b in range(256) if b not in keep)
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
 
 
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[EOS]")
