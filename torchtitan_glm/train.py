@@ -590,7 +590,7 @@ class Trainer:
         if tr.on_nonfinite == "skip":
             self.skipped.total += 1
             self.skipped.in_a_row += 1
-            m["skipped_steps"] = self.skipped.total
+            # logged now, whether or not this is a log step (not also through m: one event per step)
             self.logger.log({"skipped_steps": self.skipped.total}, step)
             if self.skipped.in_a_row < tr.max_consecutive_nonfinite:
                 if self.rank == 0:

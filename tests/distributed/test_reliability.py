@@ -154,7 +154,9 @@ def test_nonfinite_skip_counts_in_tensorboard_and_stops_after_n_in_a_row(tmp_pat
     assert skipped == [last - 2, last - 1]
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
-    counts = {e.step: e.value for e in acc.Scalars("skipped_steps")}
+    events = acc.Scalars("skipped_steps")
+    assert len(events) == len({e.step for e in events}), "one skipped_steps event per step"
+    counts = {e.step: e.value for e in events}
     assert {s: counts[s] for s in (last - 2, last - 1, last)} == {last - 2: 1, last - 1: 2, last: 3}
     assert all(counts[s] == 0 for s in range(1, last - 2))
     assert _checkpoints(tmp_path) == list(range(1, last)), "skipped steps keep (and save) the last finite state"
