@@ -558,6 +558,10 @@ class Trainer:
         self.logger.purge_from(step + 1)  # TensorBoard hides an earlier run's events past the resume step
         if self.rank == 0:
             logger.info(self._resume_state)
+            if cfg.checkpoint.initial_load_path:
+                logger.warning("checkpoint.initial_load_path %s is not read: this run resumes from its own "
+                               "checkpoint (initial_load_path starts a fresh run only; for those weights, use a new "
+                               "--job.dump_folder)", cfg.checkpoint.initial_load_path)
             for line in (note, changed, precision, optim):
                 if line:
                     logger.warning(line)

@@ -119,7 +119,8 @@ def test_a_resume_applies_this_runs_optimizer_settings(tmp_path, world_of_one, c
     Trainer(load_config([*argv, "--training.steps", "2"])).train()
     dist.destroy_process_group()
     changed = ["--optimizer.weight_decay", "0.5", "--optimizer.beta1", "0.5", "--optimizer.eps", "1e-4",
-               "--optimizer.implementation", "for-loop", "--optimizer.lr", "1e-4"]
+               "--optimizer.implementation", "for-loop", "--optimizer.lr", "1e-4",
+               f"--checkpoint.initial_load_path={tmp_path / 'checkpoint' / 'step-2'}"]  # ignored by a resume: said
     with caplog.at_level("WARNING", logger="torchtitan_glm.train"):
         trainer = Trainer(load_config([*argv, "--training.steps", "3", *changed]))
         trainer.train()
@@ -134,6 +135,8 @@ def test_a_resume_applies_this_runs_optimizer_settings(tmp_path, world_of_one, c
         "the optimizer settings changed since the checkpoint (optimizer.beta1 0.9 -> 0.5, optimizer.eps 1e-08 -> "
         "0.0001, optimizer.weight_decay 0.1 -> 0.5, optimizer.implementation 'auto' -> 'for-loop'): its moments "
         "carry over and the new settings apply from step 3"]
+    assert any(r.getMessage().startswith("checkpoint.initial_load_path ") and "is not read: this run resumes from "
+               "its own checkpoint" in r.getMessage() for r in caplog.records)
 
 
 def test_startup_summary_counts_this_ranks_state():
