@@ -584,8 +584,8 @@ class ActivationCheckpointConfig(_Section):
 class CompileConfig(_Section):
     """[compile] torch.compile.
 
-    enable: compile at all; backend: "inductor", "aot_eager" or "eager"; mode: torch.compile mode;
-    components: what to compile, a subset of ["model", "loss"].
+    enable: compile at all; backend: "inductor", "aot_eager" or "eager"; mode: torch.compile mode (inductor's:
+    other backends take only "default"); components: what to compile, a non-empty subset of ["model", "loss"].
     """
 
     SECTION: ClassVar[str] = "compile"
@@ -601,6 +601,11 @@ class CompileConfig(_Section):
             if c not in ("model", "loss"):
                 self._fail("components", f"unknown component {c!r}; choose from ['model', 'loss']")
         self._require(len(set(self.components)) == len(self.components), "components", "has duplicates")
+        if self.enable and not self.components:
+            self._fail("components", "is empty: nothing to compile; set compile.enable = false for eager")
+        if self.enable and self.mode != "default" and self.backend != "inductor":
+            self._fail("mode", f"{self.mode!r} is an inductor mode; with compile.backend = {self.backend!r} it would "
+                               "be ignored: set compile.backend = 'inductor' or leave mode at 'default'")
 
 
 @dataclass(frozen=True)
@@ -890,7 +895,8 @@ def _help_text() -> str:
 def load_config(argv: list[str] | None = None) -> JobConfig:
     """Parse `--config path.toml`, `--print-config` and `--section.key value` overrides into a validated JobConfig.
 
-    `--print-config` prints the merged config as TOML and exits 0; `--help` lists every key and exits 0.
+    `--print-config` prints the merged config as TOML, then checks it: exit 0 when valid, else the ConfigError (a
+    config for another machine, e.g. its data paths, still prints); `--help` lists every key and exits 0.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     config_path, print_config, want_help, overrides = _parse_argv(argv)
@@ -938,12 +944,14 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     cfg = JobConfig(**{s: cls(**_pack_extra(cls, values[s])) for s, cls in _SECTIONS.items()})
     default_note = "default value" + (f"; {file_note}" if file_note else "")
     object.__setattr__(cfg, "_origins", {**origin, "": default_note})  # not a field: the config is what it holds
+    if print_config:  # printed before the checks, so a config for another machine (its data paths) still shows
+        print(cfg.to_toml(), end="")
+        sys.stdout.flush()
     try:
         cfg.validate()
     except ConfigError as e:
         raise cfg.with_source(e) from None
     if print_config:
-        print(cfg.to_toml(), end="")
         raise SystemExit(0)
     return cfg
 

@@ -141,3 +141,25 @@ def test_startup_summary_reads_the_experts_from_the_converted_model(tmp_path):
     text = startup_summary(cfg=cfg, args=args, model=model, world=1, dp_size=1, device=torch.device("cpu"),
                            resume="fresh start")
     assert "BF16 experts (float8.moe_experts, but no expert weight has dims divisible by 16)" in text, text
+
+
+def test_print_config_shows_a_config_for_another_machine_then_names_what_fails_here(capsys):
+    """The full model's TOML names cluster data paths: --print-config still prints the merged config, then the
+    check fails naming the key (it printed nothing before)."""
+    with pytest.raises(ConfigError) as info:
+        load_config(["--config", "train_configs/glm5_3_flash.toml", "--print-config"])
+    assert info.value.key == "data.paths"
+    out = capsys.readouterr().out
+    assert "[model]" in out and 'flavor = "glm5_3_flash"' in out, out[:500]
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["--compile.enable", "true", "--compile.components", "[]"], "compile.components"),
+    (["--compile.enable", "true", "--compile.backend", "aot_eager", "--compile.mode", "max-autotune"], "compile.mode"),
+])
+def test_compile_settings_that_would_be_ignored_name_the_key(argv, key):
+    """An empty components list compiled the whole model anyway; a mode with a backend other than inductor was
+    dropped without a word."""
+    with pytest.raises(ConfigError) as info:
+        load_config(["--config", "train_configs/debug_model.toml", *argv])
+    assert info.value.key == key, info.value
