@@ -56,7 +56,8 @@ from torchtitan_glm.models.glm5.dsa import SparseMLA  # noqa: E402
 from torchtitan_glm.models.glm5.hf_io import _cast_for_load  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16", "fp8_split", "fp8_indexer", "fp8_indexer_trained")
-FIELDS = ("tokens", "pearson", "pearson_undefined", "mean_abs_diff", "max_abs_diff", "top1_agreement", "indexer_overlap", "decode_seconds")
+FIELDS = ("tokens", "pearson", "pearson_undefined", "mean_abs_diff", "max_abs_diff", "top1_agreement",
+          "indexer_overlap", "decode_seconds")
 
 
 # ----------------------------------------------------------------------------------------------- sequences
