@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from torchtitan_glm.components.checkpoint import hf_export_dir, list_hf_exports  # noqa: E402
 from torchtitan_glm.generation import generate  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -54,11 +55,8 @@ def _hf_export_hint(checkpoint: str | None) -> str:
     """For a --checkpoint folder that holds only HF exports (checkpoint.last_save_model_only): '; try --hf <newest>'."""
     if not checkpoint or not os.path.isdir(checkpoint):
         return ""
-    steps = [(int(n[len("hf-step-"):]), n) for n in os.listdir(checkpoint)
-             if n.startswith("hf-step-") and n[len("hf-step-"):].isdigit()]
-    if not steps:
-        return ""
-    return f"; it holds HF exports: try --hf {os.path.join(checkpoint, max(steps)[1])}"
+    steps = list_hf_exports(checkpoint)
+    return f"; it holds HF exports: try --hf {hf_export_dir(checkpoint, steps[-1])}" if steps else ""
 
 
 def main(argv: list[str] | None = None) -> list[int]:

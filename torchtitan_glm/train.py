@@ -4,7 +4,6 @@ training loop with its non-finite guard and graceful stop on SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import contextlib
-import glob
 import logging
 import os
 import sys
@@ -17,7 +16,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan_glm.activation_checkpoint import offload_host_bytes
 from torchtitan_glm.components import loss as losses
-from torchtitan_glm.components.checkpoint import CheckpointManager, list_checkpoints, step_dir
+from torchtitan_glm.components.checkpoint import (CheckpointManager, hf_export_dir, list_checkpoints,
+                                                  list_hf_exports, step_dir)
 from torchtitan_glm.components.cuda_alloc import default_alloc_conf
 from torchtitan_glm.components.data import build_dataloader
 from torchtitan_glm.components.errors import (CheckpointError, NonFiniteError, ResumeMismatchError, is_expected,
@@ -543,8 +543,7 @@ class Trainer:
                 if changed:
                     logger.warning("this run's settings differ from the checkpoint's (%s) and trained nothing with "
                                    "them: to train with them, use a new --job.dump_folder", ", ".join(changed))
-            export = os.path.join(ck.root, f"hf-step-{step}")
-            if cfg.checkpoint.last_save_in_hf and not (os.path.isdir(export) and os.listdir(export)):
+            if cfg.checkpoint.last_save_in_hf and step not in list_hf_exports(ck.root):
                 ck.load(step)  # the final export this run asks for, from the final checkpoint
                 ck.export_hf(step)
             return step
@@ -573,12 +572,12 @@ class Trainer:
         if not self.cfg.checkpoint.enable and list_checkpoints(root):
             logger.warning("checkpoint.enable = false: the checkpoints in %s are not resumed from (this run starts "
                            "at step 1 and saves none)", root)
-        exports = sorted(glob.glob(os.path.join(root, "hf-step-*")),
-                         key=lambda p: int(s) if (s := p.rsplit("-", 1)[1]).isdigit() else -1)
+        exports = list_hf_exports(root)
         if exports and not self.cfg.checkpoint.initial_load_path:
+            newest = hf_export_dir(root, exports[-1])
             logger.warning("%s holds the HF export %s of an earlier run, which a run does not resume from: this one "
                            "starts fresh; to start from those weights, set checkpoint.initial_load_path = %s and "
-                           "checkpoint.initial_load_in_hf = true", root, exports[-1], exports[-1])
+                           "checkpoint.initial_load_in_hf = true", root, newest, newest)
 
     # ------------------------------------------------------------------------------------------ stopping
     def _guard_nonfinite(self, m: dict[str, Any]) -> None:

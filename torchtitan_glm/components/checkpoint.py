@@ -55,11 +55,13 @@ from torchtitan_glm.components.errors import (CheckpointError, ExpectedError, No
                                               one_line)
 from torchtitan_glm.float8 import plain_tensors
 
-__all__ = ["CheckpointManager", "list_checkpoints", "step_dir", "MANIFEST", "RUN_INFO"]
+__all__ = ["CheckpointManager", "list_checkpoints", "step_dir", "hf_export_dir", "list_hf_exports", "MANIFEST",
+           "RUN_INFO"]
 
 logger = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
+_HF_EXPORT_RE = re.compile(r"^hf-step-(\d+)$")
 _TMP_RE = re.compile(r"^step-\d+(\.replaced)?\.tmp$")
 _DCP_FILE_RE = re.compile(r"^__(\d+)_\d+\.distcp$")  # FileSystemWriter's per-rank data files
 _METADATA = ".metadata"
@@ -81,6 +83,20 @@ def _rng_key(rank: int) -> str:
 def step_dir(root: str, step: int) -> str:
     """The folder of the complete checkpoint of `step` under `root`."""
     return os.path.join(root, f"step-{step}")
+
+
+def hf_export_dir(root: str, step: int) -> str:
+    """The folder of the HF export of `step` under `root` (checkpoint.last_save_in_hf)."""
+    return os.path.join(root, f"hf-step-{step}")
+
+
+def list_hf_exports(root: str) -> list[int]:
+    """Steps of the non-empty `hf-step-N` export folders in `root`, ascending."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for name in os.listdir(root)
+                  if (m := _HF_EXPORT_RE.match(name)) and os.path.isdir(os.path.join(root, name))
+                  and os.listdir(os.path.join(root, name)))
 
 
 def _step_folders(root: str) -> list[int]:
@@ -340,7 +356,7 @@ class CheckpointManager:
     def export_hf(self, step: int) -> str:
         """The HF export of the model as it is, to `hf-step-{step}` (hf_save_fn); CheckpointError in one line naming
         the folder and the newest DCP checkpoint kept, if it fails. Collective."""
-        out_dir = os.path.join(self.root, f"hf-step-{step}")
+        out_dir = hf_export_dir(self.root, step)
         try:
             self.hf_save_fn(self.model, out_dir)
         except CheckpointError:
@@ -510,9 +526,9 @@ class CheckpointManager:
             newer = [step_dir(self.root, s) for s in self._shared(_step_folders(self.root)) if s > explicit]
             if newer:  # training on from an earlier step would save over them
                 raise ResumeMismatchError(
-                    f"checkpoint.load_step={explicit} rewinds past the newer checkpoints {', '.join(newer)}, which this "
-                    f"run would overwrite as it trains: move them out of {self.root} to keep them and rewind, or "
-                    "unset checkpoint.load_step to resume from the newest")
+                    f"checkpoint.load_step={explicit} rewinds past the newer checkpoints {', '.join(newer)}, which "
+                    f"this run would overwrite as it trains: move them out of {self.root} to keep them and rewind, "
+                    "or unset checkpoint.load_step to resume from the newest")
             return explicit
         if not self.cfg.enable:
             return None

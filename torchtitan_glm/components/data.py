@@ -518,17 +518,18 @@ class PackedDataLoader:
                              "with that version or start fresh with a new --job.dump_folder")
         where = self.stream.description
         if state_dict["row_len"] != self.stream.row_len:
-            raise ResumeMismatchError(f"cannot continue the data of the checkpoint: training.seq_len was "
-                             f"{state_dict['row_len'] - 1}, is {self.stream.row_len - 1} (rows are seq_len + 1 "
-                             "tokens); set it back")
+            raise ResumeMismatchError(
+                f"cannot continue the data of the checkpoint: training.seq_len was {state_dict['row_len'] - 1}, is "
+                f"{self.stream.row_len - 1} (rows are seq_len + 1 tokens); set it back")
         if state_dict["seed"] != self.seed:
-            raise ResumeMismatchError(f"cannot continue the data of the checkpoint: job.seed was {state_dict['seed']}, is "
-                             f"{self.seed} (it orders the documents); set it back")
+            raise ResumeMismatchError(f"cannot continue the data of the checkpoint: job.seed was {state_dict['seed']}, "
+                                      f"is {self.seed} (it orders the documents); set it back")
         diff = _identity_diff(state_dict["data"], self.stream.identity())
         if diff:
-            raise ResumeMismatchError(f"cannot continue the data of the checkpoint: the data ({where}) differs from the "
-                             f"checkpoint's ({'; '.join(diff)}); set data.source / data.paths / data.tokenizer / "
-                             "data.add_eos back or restore the file(s), or start fresh with a new --job.dump_folder")
+            raise ResumeMismatchError(
+                f"cannot continue the data of the checkpoint: the data ({where}) differs from the checkpoint's "
+                f"({'; '.join(diff)}); set data.source / data.paths / data.tokenizer / data.add_eos back or restore "
+                "the file(s), or start fresh with a new --job.dump_folder")
         self.position = int(state_dict["position"])
 
 

@@ -58,10 +58,12 @@ def _check_final_export(cfg: Any) -> None:
     ck = cfg.checkpoint
     if not (ck.enable and ck.last_save_in_hf):
         return
+    from torchtitan_glm.components.checkpoint import hf_export_dir, list_hf_exports, step_dir
+
     root = os.path.join(cfg.job.dump_folder, ck.folder)
     steps = cfg.training.steps
-    export = os.path.join(root, f"hf-step-{steps}")
-    if os.path.isdir(export) and os.listdir(export) and not os.path.isdir(os.path.join(root, f"step-{steps}")):
+    export = hf_export_dir(root, steps)
+    if steps in list_hf_exports(root) and not os.path.isdir(step_dir(root, steps)):
         raise ConfigError("checkpoint.last_save_in_hf",
                           f"{export} already holds an HF export, and this run would write its final export of step "
                           f"{steps} there after training: move it away, or use a new --job.dump_folder")
