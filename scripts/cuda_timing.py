@@ -1,7 +1,9 @@
-"""Median CUDA-event time of a callable, shared by the GPU micro-benchmarks (bench_dsa.py, bench_ce.py, bench_kda.py, bench_mhc.py)."""
+"""Median CUDA-event time of a callable, and the closing table, shared by the GPU micro-benchmarks (bench_dsa.py,
+bench_ce.py, bench_kda.py, bench_mhc.py, bench_optim.py)."""
 
 from __future__ import annotations
 
+import json
 import statistics
 from typing import Callable
 
@@ -33,3 +35,15 @@ def backward_step(call, dout: torch.Tensor, leaves) -> Callable[[], None]:
             t.grad = None
 
     return run
+
+
+def print_table(title: str, columns: dict[str, str], rows: list[dict], json_path: str | None = None) -> None:
+    """`title`, then a markdown table of `rows` ({header: row key} in `columns`),
+    and the rows as JSON to `json_path` if given."""
+    print(f"\n{title}\n")
+    print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
+    for r in rows:
+        print("| " + " | ".join(str(r[k]) for k in columns.values()) + " |")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)

@@ -17,10 +17,12 @@
 #   scripts/bench_decode.py.
 #   agreement (issue 8): scripts/precision_agreement.py on the proxy trained as for serving (the same folder, trained
 #   once per warm machine).
+#   optimbench (issue 12): scripts/bench_optim.py, the optimizer step alone over the proxy's parameters
+#   (OPTIMBENCH_ARGS, e.g. "--max-elements 2e9" on an 80 GB card).
 #   fp8curve (issue 8): 200 proxy steps through train.py, BF16 and the FP8 split (FP8CURVE_PREC, one per call),
 #   compared by scripts/compare_runs.py (end means within 1%).
-#   optim (issue 12): train.py on the proxy, eager (no compile to pay), for each optimizer in OPTIM_NAMES (default
-#   AdamW8bit AdamWFp8 AdamW), OPTIM_STEPS steps with [profiling] on the last two: the optimizer step's device time
+#   optim (issue 12): train.py on the proxy, eager (no compile to pay), for each name[:implementation] in OPTIM_NAMES
+#   (default AdamW8bit:fused AdamW8bit:compiled AdamWFp8:fused AdamW), OPTIM_STEPS steps with [profiling] on the last two: the optimizer step's device time
 #   (ops.txt, row Optimizer.step#<name>.step) and the peak memory per optimizer (full AC: AdamW's FP32 moments alone
 #   take 59 GiB).
 #   accum (issue 12): the training-scope benchmark and train.py on the proxy in one call, train.py at each global batch
@@ -145,14 +147,22 @@ esac
 pack_cache
 case " $STAGES " in *" optim "*)
   steps=${OPTIM_STEPS:-12}
-  for name in ${OPTIM_NAMES:-AdamW8bit AdamWFp8 AdamW}; do
+  for entry in ${OPTIM_NAMES:-AdamW8bit:fused AdamW8bit:compiled AdamWFp8:fused AdamW}; do
+    name=${entry%%:*}; impl=auto; [ "$entry" != "$name" ] && impl=${entry#*:}
+    tag=${name}_$impl
     timeout "${OPTIM_TIMEOUT:-200}" torchrun --nproc-per-node 1 train.py --config train_configs/glm5_3_flash_proxy.toml \
-        --optimizer.name "$name" --compile.enable false --activation_checkpoint.mode full \
-        --training.steps "$steps" --metrics.log_freq 1 \
-        --checkpoint.enable false --metrics.enable_tensorboard false --job.dump_folder "$OUT/optim_$name" \
-        --profiling.enable true --profiling.start_step $((steps - 1)) --profiling.steps 2 2>&1 | tee "$OUT/optim_$name.log"
-    rm -f "$OUT/optim_$name"/profile_trace/*.json.gz  # the table is what comes back; traces are tens of MB
+        --optimizer.name "$name" --optimizer.implementation "$impl" --compile.enable false \
+        --activation_checkpoint.mode full --training.steps "$steps" --metrics.log_freq 1 \
+        --checkpoint.enable false --metrics.enable_tensorboard false --job.dump_folder "$OUT/optim_$tag" \
+        --profiling.enable true --profiling.start_step $((steps - 1)) --profiling.steps 2 2>&1 | tee "$OUT/optim_$tag.log"
+    rm -f "$OUT/optim_$tag"/profile_trace/*.json.gz  # the table is what comes back; traces are tens of MB
   done ;;
+esac
+pack_cache
+case " $STAGES " in *" optimbench "*)
+  # issue 12: the optimizer step alone over the proxy's parameters, fused against torchao's compiled step
+  timeout "${OPTIMBENCH_TIMEOUT:-300}" python3 scripts/bench_optim.py ${OPTIMBENCH_ARGS:-} --json "$OUT/bench_optim.json" \
+      2>&1 | tee "$OUT/bench_optim.log" ;;
 esac
 pack_cache
 case " $STAGES " in *" fp8curve "*)

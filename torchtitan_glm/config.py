@@ -279,8 +279,11 @@ class OptimizerConfig(_Section):
     both moments stored blockwise-quantised, 8-bit or FP8 E4M3 codes plus one FP32 scale per 256 values, about 2.03
     bytes per parameter instead of 8 for FP32 states; each parameter's step is a torch.compile'd kernel, so the
     first step compiles); lr: peak learning rate; beta1, beta2, eps: AdamW moments; weight_decay: decoupled decay for
-    parameters with ndim >= 2 not declared no-decay by their module; implementation (AdamW only): "auto" (fused on
-    CUDA, foreach otherwise), "fused", "foreach" or "for-loop"; cpu_offload: keep the FSDP2-sharded parameters,
+    parameters with ndim >= 2 not declared no-decay by their module; implementation: for AdamW "auto" (fused on
+    CUDA, foreach otherwise), "fused", "foreach" or "for-loop"; for AdamW8bit / AdamWFp8 "auto" (fused on CUDA,
+    compiled otherwise), "fused" (one Triton kernel per parameter over torchao's states, CUDA only: each value read
+    and written once) or "compiled" (torchao's own torch.compile'd step); the states and checkpoints are the same
+    either way; cpu_offload: keep the FSDP2-sharded parameters,
     their gradients and optimizer states in host memory and step there (FSDP2's CPUOffloadPolicy: the parameters
     are copied to the GPU for each block's forward and backward, the gradients back), AdamW only. torchao's
     CPUOffloadOptimizer is not offered: it is CUDA-only and for one device, keeps one optimizer per parameter over
@@ -307,10 +310,11 @@ class OptimizerConfig(_Section):
         self._require(0.0 <= self.beta2 < 1.0, "beta2", "must be in [0, 1)")
         self._require(math.isfinite(self.eps) and self.eps > 0, "eps", "must be a finite number > 0")
         self._require(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        self._choice("implementation", ("auto", "fused", "foreach", "for-loop"))
-        if self.name != "AdamW" and self.implementation != "auto":
-            self._fail("implementation", f"{self.implementation!r} applies to name 'AdamW' only; torchao's "
-                       f"{self.name} has one implementation (leave implementation = 'auto')")
+        if self.name == "AdamW":
+            self._choice("implementation", ("auto", "fused", "foreach", "for-loop"))
+        elif self.implementation not in LOW_BIT_IMPLEMENTATIONS:
+            self._fail("implementation", f"{self.name} is stepped by one of {list(LOW_BIT_IMPLEMENTATIONS)}, got "
+                       f"{self.implementation!r} ('foreach' and 'for-loop' are torch AdamW's)")
         if self.cpu_offload and self.name != "AdamW":
             self._fail("cpu_offload", f"offloads name 'AdamW' only: {self.name} saves GPU memory by shrinking the "
                        "states, which cpu_offload already keeps in host memory (and torchao's compiled step on the "
@@ -318,6 +322,7 @@ class OptimizerConfig(_Section):
 
 
 OPTIMIZERS = ("AdamW", "AdamW8bit", "AdamWFp8")
+LOW_BIT_IMPLEMENTATIONS = ("auto", "fused", "compiled")
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,8 @@ def test_gpu_benchmarks_say_they_need_cuda():
     assert proc.returncode == 2 and "needs CUDA" in proc.stderr
     proc = _run("scripts/bench_mhc.py")
     assert proc.returncode == 2 and "needs CUDA" in proc.stderr
+    proc = _run("scripts/bench_optim.py")
+    assert proc.returncode == 2 and "needs CUDA" in proc.stderr
 
 
 def test_bench_dsa_variants_run_on_cpu(monkeypatch):

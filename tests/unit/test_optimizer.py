@@ -180,7 +180,7 @@ def test_clip_dtensor_grads_two_ranks(tmp_path):
 @pytest.mark.parametrize("keys,key", [
     ({"name": "CPUOffloadOptimizer"}, "optimizer.name"),
     ({"name": "Adam8bit"}, "optimizer.name"),
-    ({"name": "AdamW8bit", "implementation": "fused"}, "optimizer.implementation"),
+    ({"name": "AdamW8bit", "implementation": "foreach"}, "optimizer.implementation"),
     ({"name": "AdamWFp8", "cpu_offload": True}, "optimizer.cpu_offload"),
 ])
 def test_invalid_optimizer_choices_name_the_key(keys, key):

@@ -65,14 +65,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(*, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """The [optimizer] over `param_groups`: torch's AdamW (implementation "auto": fused when a parameter lives on
-    CUDA, else foreach) or torchao's AdamW8bit / AdamWFp8."""
+    CUDA, else foreach) or torchao's AdamW8bit / AdamWFp8 (implementation "auto": the fused Triton step on CUDA,
+    else torchao's compiled step)."""
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
         raise ValueError("model has no trainable parameters")
     hyper = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
     on_cuda = any(p.device.type == "cuda" for g in groups for p in g["params"])
     if cfg.name != "AdamW":
-        return _low_bit(cfg.name, groups, on_cuda=on_cuda, **hyper)
+        return _low_bit(cfg.name, groups, on_cuda=on_cuda, implementation=cfg.implementation, **hyper)
     impl = cfg.implementation
     if impl == "auto":
         impl = "fused" if on_cuda else "foreach"
@@ -83,7 +84,8 @@ def build_optimizer(*, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Op
     return torch.optim.AdamW(groups, **hyper, **flags[impl])
 
 
-def _low_bit(name: str, groups: list[dict], *, on_cuda: bool, **hyper) -> torch.optim.Optimizer:
+def _low_bit(name: str, groups: list[dict], *, on_cuda: bool, implementation: str = "auto",
+             **hyper) -> torch.optim.Optimizer:
     from torchtitan_glm.config import ConfigError
 
     try:
@@ -93,14 +95,30 @@ def _low_bit(name: str, groups: list[dict], *, on_cuda: bool, **hyper) -> torch.
     if name == "AdamWFp8" and on_cuda and torch.cuda.get_device_capability() < (8, 9):
         raise ConfigError("optimizer.name", "AdamWFp8 needs a GPU of compute capability >= 8.9 (FP8 E4M3); this "
                           f"one is {torch.cuda.get_device_name()}: use AdamW8bit")
+    if implementation == "fused" and not on_cuda:
+        raise ConfigError("optimizer.implementation", f"'fused' steps {name} with a Triton kernel, which needs the "
+                          "parameters on CUDA; use 'compiled' (or 'auto') on this device")
+    fused = implementation == "fused" or (implementation == "auto" and on_cuda)
     base = {"AdamW8bit": AdamW8bit, "AdamWFp8": AdamWFp8}[name]
 
     class LowBitAdamW(base):  # type: ignore[misc, valid-type]
-        """torchao's optimizer, its per-parameter step compiled without AOTAutograd's on-disk cache: with torch 2.13
-        and torchao 0.18 that cache served AdamW8bit's compiled step to AdamWFp8 (same graph, other state class;
+        """torchao's optimizer and states. Stepped by the fused kernel (components/lowbit_step.py) or by torchao's
+        per-parameter compiled step, the latter without AOTAutograd's on-disk cache: with torch 2.13 and torchao
+        0.18 that cache served AdamW8bit's compiled step to AdamWFp8 (same graph, other state class;
         "'OptimStateFp8' object has no attribute 'qmap'") once both had run on a machine."""
 
+        implementation = "fused" if fused else "compiled"
+
         def step(self, closure=None):
+            if self.implementation == "fused":
+                from torchtitan_glm.components.lowbit_step import fused_lowbit_step
+
+                loss = None
+                if closure is not None:
+                    with torch.enable_grad():
+                        loss = closure()
+                fused_lowbit_step(self)
+                return loss
             functorch_config = torch._functorch.config
             if not hasattr(functorch_config, "enable_autograd_cache"):
                 return super().step(closure)

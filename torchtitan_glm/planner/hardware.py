@@ -39,7 +39,8 @@ class GpuSpec:
     # measured (derived): memory-bound time per token and decoder block by AC regime, the proxy benchmark's step
     # less every modelled term (docs/performance.md, planner section)
     elementwise_s_per_token_block: dict = dataclasses.field(default_factory=dict)
-    # measured: train.py's optimizer step per trainable element, by optimizer.name (the others: a bytes model)
+    # measured: train.py's optimizer step per trainable element, by "<optimizer.name> <implementation>" (the others:
+    # a bytes model)
     optimizer_s_per_param: dict = dataclasses.field(default_factory=dict)
     # measured: FSDP2's own copies and casts around its collectives, per element a rank gathers (forward and again
     # for backward) and per gradient element it reduces
@@ -114,7 +115,7 @@ H200 = GpuSpec(
     # ninth session): torchao AdamW8bit's step spans 185.7 ms of the device's time per step (137.6 ms of kernels,
     # the rest launch gaps); FSDP2's pre-forward and pre-backward casts 20.2 and 23.6 ms (one gather each), its
     # post-backward reduce copies 34.8 ms. The gradient clip (26.1 ms) matches the bytes model (12 B per element).
-    optimizer_s_per_param={"AdamW8bit": 185.7e-3 / 7.95e9},
+    optimizer_s_per_param={"AdamW8bit compiled": 185.7e-3 / 7.95e9},
     fsdp_gather_copy_s_per_elem=(20.2e-3 + 23.6e-3) / 2 / 7.95e9,
     fsdp_reduce_copy_s_per_elem=34.8e-3 / 7.95e9,
 )

@@ -35,14 +35,18 @@ from .model import ModelInventory
 from .params import local_trainable_elements, trainable_unit_bytes, unit_bytes
 
 # Bytes per trainable element where no time is measured. AdamW: read p, g, m, v and write p, m, v (FP32: 28 B);
-# AdamWFp8 / AdamW8bit: the moments 1 B each (16 B). The clip: the norm reads g, the scale reads and writes it (12 B).
+# AdamWFp8 / AdamW8bit: the moments 1 B each (16 B; the fused step's one pass, which torchao's compiled step is not). The clip: the norm reads g, the scale reads and writes it (12 B).
 OPTIMIZER_BYTES_PER_PARAM = {"AdamW": 28, "AdamWFp8": 16, "AdamW8bit": 16}
 CLIP_BYTES_PER_PARAM = 12
 
 
-def optimizer_seconds(name: str, elements: int, gpu: GpuSpec) -> float:
-    """The optimizer step plus the gradient clip over `elements` trainable elements of one rank."""
-    rate = gpu.optimizer_s_per_param.get(name)
+def optimizer_seconds(name: str, elements: int, gpu: GpuSpec, implementation: str = "auto") -> float:
+    """The optimizer step plus the gradient clip over `elements` trainable elements of one rank. Measured rates are
+    keyed "<name> <implementation>" for the low-bit AdamWs ("auto" is "fused" on a GPU), by name for AdamW."""
+    key = name
+    if name != "AdamW":
+        key = f"{name} {'fused' if implementation == 'auto' else implementation}"
+    rate = gpu.optimizer_s_per_param.get(key)
     step = elements * rate if rate is not None else elements * OPTIMIZER_BYTES_PER_PARAM[name] / gpu.hbm_bandwidth
     return step + elements * CLIP_BYTES_PER_PARAM / gpu.hbm_bandwidth
 
@@ -147,7 +151,8 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
     out["elementwise"] = gpu.elementwise_s_per_token_block[rate] * tokens * len(layers)
     out = {k: v * micro for k, v in out.items()}
     if train:
-        out["optimizer"] = optimizer_seconds(inv.optimizer, local_trainable_elements(inv, layout), gpu)
+        out["optimizer"] = optimizer_seconds(inv.optimizer, local_trainable_elements(inv, layout), gpu,
+                                             inv.optimizer_implementation)
         out["fsdp_copies"] = fsdp_copy_seconds(inv, layout, gpu, with_mtp=with_mtp, micro=micro)
     return out
 

@@ -1,0 +1,116 @@
+"""The optimizer step alone on one GPU, over the trainable parameters a config's model has: each [optimizer]
+name:implementation, CUDA events, median of --steps after --warmup (the first steps create the states and, for
+torchao's compiled step, compile one graph per parameter shape).
+
+    python scripts/bench_optim.py                                     # the proxy's parameters, FP32 as FSDP2 keeps them
+    python scripts/bench_optim.py --max-elements 2e9 --optimizers AdamW8bit:fused,AdamW8bit:compiled
+
+The parameters are those of `--config`'s model (built on the meta device, as the planner builds it), taken in
+model order up to --max-elements (default: all; the proxy has 7.95e9, whose FP32 parameters and gradients take
+64 GB, so an 80 GB card needs a cap), allocated as plain CUDA tensors with fixed random gradients. The step is the
+same per element whatever the cap, apart from launches: the table gives ms per step, ps per element, and the
+bandwidth that ms means at 16 B per element (read p, g and both 1-byte moments, write p and both moments; AdamW's
+FP32 moments: 28 B).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from torch import nn
+
+from cuda_timing import median_ms, print_table
+
+_BYTES = {"AdamW": 28, "AdamW8bit": 16, "AdamWFp8": 16}
+
+
+class _Holder(nn.Module):
+    """The chosen parameters under one module, so build_optimizer groups them as train.py does (ndim < 2 undecayed)."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        super().__init__()
+        self.params = nn.ParameterList(nn.Parameter(t) for t in tensors)
+
+
+def model_shapes(config: str, overrides: list[str]) -> list[torch.Size]:
+    from torchtitan_glm.config import load_config
+    from torchtitan_glm.planner.model import build_meta_model
+
+    cfg = load_config(["--config", config, *overrides])
+    model, _ = build_meta_model(cfg)
+    return [p.shape for p in model.parameters() if p.requires_grad]
+
+
+def run(name: str, impl: str, shapes: list[torch.Size], *, steps: int, warmup: int) -> dict:
+    from torchtitan_glm.components.optimizer import build_optimizer
+    from torchtitan_glm.config import OptimizerConfig
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    holder = _Holder([torch.randn(s, device="cuda", generator=gen) * 0.02 for s in shapes])
+    for p in holder.parameters():
+        p.grad = torch.randn(p.shape, device="cuda", generator=gen) * 1e-3
+    cfg = OptimizerConfig(name=name, implementation=impl)
+    cfg.validate()
+    opt = build_optimizer(model=holder, cfg=cfg)
+    ms = median_ms(opt.step, steps=steps, warmup=warmup)
+    elements = sum(p.numel() for p in holder.parameters())
+    row = dict(optimizer=f"{name}:{getattr(opt, 'implementation', impl)}", tensors=len(shapes), elements=elements,
+               step_ms=round(ms, 3), ps_per_element=round(ms * 1e9 / elements, 2),
+               gb_per_s=round(elements * _BYTES[name] / (ms * 1e-3) / 1e9, 1),
+               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+    del opt, holder
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="train_configs/glm5_3_flash_proxy.toml")
+    p.add_argument("--optimizers", default="AdamW8bit:fused,AdamW8bit:compiled,AdamWFp8:fused,AdamWFp8:compiled",
+                   help="comma-separated name:implementation ([optimizer] name and implementation)")
+    p.add_argument("--max-elements", type=float, default=None, help="cap on the parameters' elements (model order)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", default=None, help="write the rows here")
+    a, overrides = p.parse_known_args()  # the rest: config overrides, e.g. --training.seq_len 8192
+    if not torch.cuda.is_available():
+        print("bench_optim.py times CUDA kernels: needs CUDA", file=sys.stderr)
+        return 2
+    if a.steps < 1 or a.warmup < 1:
+        print("--steps and --warmup must be >= 1 (the first step creates the states)", file=sys.stderr)
+        return 2
+    choices = []
+    for item in a.optimizers.split(","):
+        name, _, impl = item.partition(":")
+        if name not in _BYTES:
+            print(f"--optimizers: unknown name {name!r} (one of {sorted(_BYTES)})", file=sys.stderr)
+            return 2
+        choices.append((name, impl or "auto"))
+    shapes, total = [], 0
+    for s in model_shapes(a.config, overrides):
+        n = s.numel()
+        if a.max_elements is not None and total + n > a.max_elements:
+            continue
+        shapes.append(s)
+        total += n
+    if not shapes:
+        print(f"--max-elements {a.max_elements:g} admits no parameter of {a.config}", file=sys.stderr)
+        return 2
+    rows = []
+    for name, impl in choices:
+        row = run(name, impl, shapes, steps=a.steps, warmup=a.warmup)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print_table(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {a.config}: {len(shapes)} tensors, "
+                f"{total / 1e9:.2f}e9 elements, FP32",
+                {"optimizer": "optimizer", "step ms": "step_ms", "ps per element": "ps_per_element",
+                 "GB/s at its bytes per element": "gb_per_s", "peak GiB": "peak_gib"}, rows, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

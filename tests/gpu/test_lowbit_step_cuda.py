@@ -1,0 +1,60 @@
+"""The fused low-bit AdamW step (components/lowbit_step.py) on CUDA against torchao's own compiled step, for both
+state formats (AdamW8bit's dynamic map, AdamWFp8's E4M3), through build_optimizer as train.py builds them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from torchtitan_glm.components.optimizer import build_optimizer
+from torchtitan_glm.config import OptimizerConfig
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+class _Params(nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        # quantised (a multiple of 256 values, >= 4096), not a multiple of 256, and small: the last two keep plain
+        # states; ndim 1 -> no decay
+        self.w = nn.Parameter(torch.randn(1024, 4096, generator=g) * 0.02)
+        self.odd = nn.Parameter(torch.randn(4100, 3, generator=g) * 0.02)
+        self.b = nn.Parameter(torch.randn(96, generator=g) * 0.02)
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamWFp8"])
+def test_fused_step_matches_torchaos_compiled_step(name):
+    runs = []
+    for impl in ("fused", "compiled"):
+        model = _Params().cuda()
+        cfg = OptimizerConfig(name=name, lr=1e-3, weight_decay=0.1, implementation=impl)
+        opt = build_optimizer(model=model, cfg=cfg)
+        assert opt.implementation == impl
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        for step in range(5):
+            opt.param_groups[0]["lr"].fill_(1e-3 * (step + 1) / 5)
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=gen, device="cuda") * 1e-3
+            opt.step()
+        runs.append((model, opt))
+    (fm, fo), (cm, co) = runs
+    for (n, a), b in zip(fm.named_parameters(), cm.parameters()):
+        assert (a - b).abs().max() <= 2e-6 * b.abs().max(), (n, (a - b).abs().max())
+        sa, sb = fo.state[a], co.state[b]
+        for k in ("exp_avg", "exp_avg_sq"):
+            x, y = sa[k], sb[k]
+            if n == "w":
+                assert type(x) is type(y) and type(x).__name__ in ("OptimState8bit", "OptimStateFp8")
+                codes_x, codes_y = x.codes.view(torch.uint8).int(), y.codes.view(torch.uint8).int()
+                diff = (codes_x - codes_y).abs()
+                # one code (or one E4M3 ulp) apart where FP32 rounding order puts a value across a midpoint
+                assert (diff > 0).float().mean() < 1e-3, (name, k, (diff > 0).sum())
+                if name == "AdamW8bit":
+                    assert diff.max() <= 1
+                else:  # adjacent E4M3 values of one sign have adjacent bit patterns
+                    assert diff[diff > 0].max() <= 1 if (diff > 0).any() else True
+                assert torch.allclose(x.scale, y.scale, rtol=2e-6, atol=0), (name, k)
+            else:
+                assert type(x) is torch.Tensor and (x - y).abs().max() <= 2e-6 * y.abs().max(), (n, k)
