@@ -277,13 +277,12 @@ class OptimizerConfig(_Section):
 
     name: "AdamW" (torch; states in the parameters' dtype), "AdamW8bit" or "AdamWFp8" (torchao's low-bit AdamW:
     both moments stored blockwise-quantised, 8-bit or FP8 E4M3 codes plus one FP32 scale per 256 values, about 2.03
-    bytes per parameter instead of 8 for FP32 states; each parameter's step is a torch.compile'd kernel, so the
-    first step compiles); lr: peak learning rate; beta1, beta2, eps: AdamW moments; weight_decay: decoupled decay for
+    bytes per parameter instead of 8 for FP32 states); lr: peak learning rate; beta1, beta2, eps: AdamW moments; weight_decay: decoupled decay for
     parameters with ndim >= 2 not declared no-decay by their module; implementation: for AdamW "auto" (fused on
-    CUDA, foreach otherwise), "fused", "foreach" or "for-loop"; for AdamW8bit / AdamWFp8 "auto" (fused on CUDA,
-    compiled otherwise), "fused" (one Triton kernel per parameter over torchao's states, CUDA only: each value read
-    and written once) or "compiled" (torchao's own torch.compile'd step); the states and checkpoints are the same
-    either way; cpu_offload: keep the FSDP2-sharded parameters,
+    CUDA, foreach otherwise), "fused", "foreach" or "for-loop"; for AdamW8bit / AdamWFp8 "auto" or "fused" (the
+    project's step over torchao's states: on CUDA one Triton kernel per parameter that reads and writes each value
+    once, elsewhere its torch reference) or "compiled" (torchao's own torch.compile'd step, one compile per
+    parameter shape); the states and checkpoints are the same either way; cpu_offload: keep the FSDP2-sharded parameters,
     their gradients and optimizer states in host memory and step there (FSDP2's CPUOffloadPolicy: the parameters
     are copied to the GPU for each block's forward and backward, the gradients back), AdamW only. torchao's
     CPUOffloadOptimizer is not offered: it is CUDA-only and for one device, keeps one optimizer per parameter over

@@ -1,6 +1,6 @@
 """The fused step of torchao's AdamW8bit / AdamWFp8 (`optimizer.implementation = "fused"`): the same states, created
-by torchao, updated by one Triton kernel per parameter (ops/adamw_lowbit_triton.py) instead of torchao's
-torch.compile'd per-parameter function. Scalars are computed on the host from torchao's host-side step counter and
+by torchao, updated by ops/adamw_lowbit.py (one Triton kernel per parameter on CUDA, its torch reference elsewhere)
+instead of torchao's torch.compile'd per-parameter function. Scalars are computed on the host from torchao's host-side step counter and
 learning-rate tensor, as torchao computes them, so the step never reads the device."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def _format(state: Tensor) -> int:
     from torchao.optim.subclass_8bit import OptimState8bit
     from torchao.optim.subclass_fp8 import OptimStateFp8
 
-    from torchtitan_glm.ops.adamw_lowbit_triton import DYNAMIC8, FP8, PLAIN
+    from torchtitan_glm.ops.adamw_lowbit import DYNAMIC8, FP8, PLAIN
 
     if isinstance(state, OptimState8bit):
         return DYNAMIC8
@@ -31,7 +31,7 @@ def _format(state: Tensor) -> int:
 @torch.no_grad()
 def fused_lowbit_step(optimizer: torch.optim.Optimizer) -> None:
     """One step of a torchao `_AdamBase` AdamW optimizer (AdamW8bit or AdamWFp8) through the fused kernel."""
-    from torchtitan_glm.ops.adamw_lowbit_triton import adamw_lowbit_step_
+    from torchtitan_glm.ops.adamw_lowbit import adamw_lowbit_step_
 
     if not optimizer.is_adamw or optimizer.bf16_stochastic_round:
         raise ValueError("the fused low-bit step implements AdamW without BF16 stochastic rounding only")

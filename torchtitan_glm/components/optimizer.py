@@ -65,8 +65,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(*, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """The [optimizer] over `param_groups`: torch's AdamW (implementation "auto": fused when a parameter lives on
-    CUDA, else foreach) or torchao's AdamW8bit / AdamWFp8 (implementation "auto": the fused Triton step on CUDA,
-    else torchao's compiled step)."""
+    CUDA, else foreach) or torchao's AdamW8bit / AdamWFp8 (implementation "auto" = "fused": ops/adamw_lowbit.py,
+    a Triton kernel on CUDA; "compiled": torchao's own step)."""
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
         raise ValueError("model has no trainable parameters")
@@ -95,15 +95,12 @@ def _low_bit(name: str, groups: list[dict], *, on_cuda: bool, implementation: st
     if name == "AdamWFp8" and on_cuda and torch.cuda.get_device_capability() < (8, 9):
         raise ConfigError("optimizer.name", "AdamWFp8 needs a GPU of compute capability >= 8.9 (FP8 E4M3); this "
                           f"one is {torch.cuda.get_device_name()}: use AdamW8bit")
-    if implementation == "fused" and not on_cuda:
-        raise ConfigError("optimizer.implementation", f"'fused' steps {name} with a Triton kernel, which needs the "
-                          "parameters on CUDA; use 'compiled' (or 'auto') on this device")
-    fused = implementation == "fused" or (implementation == "auto" and on_cuda)
+    fused = implementation in ("auto", "fused")
     base = {"AdamW8bit": AdamW8bit, "AdamWFp8": AdamWFp8}[name]
 
     class LowBitAdamW(base):  # type: ignore[misc, valid-type]
-        """torchao's optimizer and states. Stepped by the fused kernel (components/lowbit_step.py) or by torchao's
-        per-parameter compiled step, the latter without AOTAutograd's on-disk cache: with torch 2.13 and torchao
+        """torchao's optimizer and states. Stepped by ops/adamw_lowbit.py (components/lowbit_step.py; "fused") or by
+        torchao's per-parameter compiled step ("compiled"), the latter without AOTAutograd's on-disk cache: with torch 2.13 and torchao
         0.18 that cache served AdamW8bit's compiled step to AdamWFp8 (same graph, other state class;
         "'OptimStateFp8' object has no attribute 'qmap'") once both had run on a machine."""
 

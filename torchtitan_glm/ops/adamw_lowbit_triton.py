@@ -1,19 +1,14 @@
-"""One Triton kernel for a whole AdamW step over torchao's low-bit optimizer states (AdamW8bit, AdamWFp8).
+"""The Triton kernel of ops/adamw_lowbit.py (CUDA): a whole AdamW step of one parameter over torchao's low-bit
+optimizer states in one pass.
 
 Why hand-written: torchao's AdamW8bit/AdamWFp8 step each parameter with a torch.compile'd elementwise function, and
 the blockwise requantisation of both moments makes inductor emit several passes over the parameter, its gradient
-and the states; on the proxy (7.9 B parameters on one H200) that step took 185.7 ms of device time, a quarter of it
-launch gaps (docs/performance.md, ninth session), against about 25 ms for one pass at the card's bandwidth.
+and the states; on the proxy (7.95e9 parameters on one H200) that step took 185.7 ms of device time, a quarter of
+it launch gaps (docs/performance.md, ninth session), where one pass at the card's bandwidth is about 30 ms.
 bitsandbytes' fused 8-bit kernel takes neither FSDP2's DTensors nor torchao's state layout, which the checkpoints
 store. This kernel reads each parameter, gradient and moment once and writes them once, in place, in torchao's
-layout (codes plus one FP32 scale per block of 256 values; AdamW8bit's 256-entry code map), so checkpoints are the
-same whichever implementation wrote them.
-
-The math is torchao's `single_param_adam` for AdamW in FP32: decoupled weight decay, moments by `lerp` (torch's two
-branches), bias corrections, then each moment requantised from its FP32 value: the block's absmax (floor 1e-12)
-scales it, AdamW8bit picks the nearest code of the map by a branchless binary search (ties upward, as torchao's
-`quantize_8bit_with_qmap`), AdamWFp8 divides by absmax/448 and casts to E4M3. Tensors that torchao keeps
-unquantised (fewer than 4096 values, or not a multiple of the block) have plain states in the parameter's dtype.
+layout, so checkpoints are the same whichever implementation wrote them. AdamW8bit's nearest code is found by a
+branchless binary search over the 256-entry map (8 comparisons), then rounded to the nearer neighbour.
 """
 
 from __future__ import annotations
@@ -23,10 +18,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["adamw_lowbit_step_", "PLAIN", "DYNAMIC8", "FP8"]
+from .adamw_lowbit import BLOCK
 
-PLAIN, DYNAMIC8, FP8 = 0, 1, 2
-_BLOCK = 256  # torchao's block for both AdamW8bit and AdamWFp8
+__all__ = ["adamw_lowbit_kernel_"]
+
 _ROWS = 8  # blocks per program: 2048 values, 8 KiB of FP32 parameter
 
 
@@ -102,33 +97,16 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, m_scale_ptr, m_qmap_ptr, v_ptr, v_scale_p
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
 
 
-def _parts(state: Tensor, fmt: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(codes, scale, qmap) of one moment; plain states stand in for all three (the kernel reads only the first)."""
-    if fmt == PLAIN:
-        return state, state, state
-    if fmt == DYNAMIC8:
-        return state.codes, state.scale, state.qmap
-    return state.codes, state.scale, state.scale
-
-
-def adamw_lowbit_step_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, fmt: int, lr: float,
-                       lr_wd: float, beta1: float, beta2: float, bc1: float, bc2_sqrt: float, eps: float) -> None:
-    """One AdamW step of one local (non-DTensor) parameter in place: `p` and `grad` contiguous, the moments
-    torchao's OptimState8bit (`fmt` DYNAMIC8), OptimStateFp8 (FP8) or plain tensors (PLAIN). The scalars are FP32
-    values computed as torchao computes them (`lr_wd` = lr * weight_decay, `bc1` = 1 - beta1^step,
-    `bc2_sqrt` = sqrt(1 - beta2^step))."""
+def adamw_lowbit_kernel_(p: Tensor, grad: Tensor, m_codes: Tensor, m_scale: Tensor, m_qmap: Tensor, v_codes: Tensor,
+                         v_scale: Tensor, v_qmap: Tensor, *, fmt: int, lr: float, lr_wd: float, beta1: float,
+                         beta2: float, bc1: float, bc2_sqrt: float, eps: float) -> None:
+    """ops/adamw_lowbit.py's step on CUDA (its arguments, checked there); a format's unused tensors are empty."""
     numel = p.numel()
-    if numel == 0:
-        return
-    m_parts, v_parts = _parts(exp_avg, fmt), _parts(exp_avg_sq, fmt)
-    for name, t in (("parameter", p), ("gradient", grad), ("exp_avg", m_parts[0]), ("exp_avg_sq", v_parts[0])):
-        if not t.is_contiguous() or t.numel() != numel:
-            raise ValueError(f"fused low-bit AdamW: the {name} must be contiguous with {numel} values "
-                             f"(got shape {tuple(t.shape)}, stride {t.stride()})")
-    if fmt != PLAIN and numel % _BLOCK:
-        raise ValueError(f"fused low-bit AdamW: a quantised state needs a multiple of {_BLOCK} values, got {numel}")
     w1, w2 = 1.0 - beta1, 1.0 - beta2
-    grid = (triton.cdiv(numel, _ROWS * _BLOCK),)
-    _adamw_kernel[grid](p, grad, *m_parts, *v_parts, numel, lr, lr_wd, w1, w2, bc1, bc2_sqrt, eps,
-                        LOWER1=abs(w1) < 0.5, LOWER2=abs(w2) < 0.5, FORMAT=fmt, ROWS=_ROWS, BLOCK=_BLOCK,
-                        num_warps=4)
+    # a format's missing scale or map: the codes stand in (the kernel never reads them; Triton wants a pointer)
+    m_scale, m_qmap = (t if t.numel() else m_codes for t in (m_scale, m_qmap))
+    v_scale, v_qmap = (t if t.numel() else v_codes for t in (v_scale, v_qmap))
+    grid = (triton.cdiv(numel, _ROWS * BLOCK),)
+    _adamw_kernel[grid](p, grad, m_codes, m_scale, m_qmap, v_codes, v_scale, v_qmap, numel, lr, lr_wd, w1, w2, bc1,
+                        bc2_sqrt, eps, LOWER1=abs(w1) < 0.5, LOWER2=abs(w2) < 0.5, FORMAT=fmt, ROWS=_ROWS,
+                        BLOCK=BLOCK, num_warps=4)
