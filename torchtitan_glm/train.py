@@ -344,7 +344,7 @@ class Trainer:
         # The step's statistics stay on the device until the host needs them (components/step_stats.py); their
         # one all-reduce also carries this rank's stop request, so every rank shares the stop decision.
         pending = self.stats.record(
-            step=self.step, lr=float(self.lr_scheduler.get_last_lr()[0]), documents=documents, ce_sum=sums["ce"],
+            step=self.step, lr=self.lr_scheduler.current_lr(), documents=documents, ce_sum=sums["ce"],
             mtp_sum=sums.get("mtp"), kl=sums.get("kl"), grad_norm=grad_norm, count=count, mtp_count=mtp_count,
             stop=self.stop.signum is not None)
         self._optimizer_step(pending, sums.get("loads", []))

@@ -14,15 +14,17 @@ from tests.unit.test_host_syncs import _trainer
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("accumulate", [(), ("--training.global_batch_size", "2",
-                                              "--parallelism.fsdp_reshard_after_forward", "never")],
-                         ids=["one_batch", "two_microbatches"])
-def test_a_training_step_does_not_sync(tmp_path, world_of_one, accumulate):
-    """Also a step of two accumulated microbatches (FSDP2's deferred reduce and held gathers; new, not yet run on a
-    GPU)."""
-    trainer = _trainer(tmp_path, "--training.steps", "3", "--metrics.log_freq", "100",
-                       "--optimizer.implementation", "fused", "--training.mixed_precision_param", "bfloat16",
-                       *accumulate)
+@pytest.mark.parametrize("accumulate,optimizer", [
+    ((), ("--optimizer.implementation", "fused")),
+    (("--training.global_batch_size", "2", "--parallelism.fsdp_reshard_after_forward", "never"),
+     ("--optimizer.implementation", "fused")),
+    ((), ("--optimizer.name", "AdamW8bit", "--training.on_nonfinite", "skip")),
+], ids=["one_batch", "two_microbatches", "adamw8bit_fused_skip"])
+def test_a_training_step_does_not_sync(tmp_path, world_of_one, accumulate, optimizer):
+    """Also a step of two accumulated microbatches (FSDP2's deferred reduce and held gathers), and AdamW8bit's fused
+    step skipping on the device (its step counts there, torchao's lr a host tensor)."""
+    trainer = _trainer(tmp_path, "--training.steps", "3", "--metrics.log_freq", "100", *optimizer,
+                       "--training.mixed_precision_param", "bfloat16", *accumulate)
     assert trainer.device.type == "cuda" and trainer.device_skip
     trainer.model.train()
     trainer.step = 1

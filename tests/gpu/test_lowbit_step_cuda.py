@@ -58,3 +58,35 @@ def test_fused_step_matches_torchaos_compiled_step(name):
                 assert torch.allclose(x.scale, y.scale, rtol=2e-6, atol=0), (name, k)
             else:
                 assert type(x) is torch.Tensor and (x - y).abs().max() <= 2e-6 * y.abs().max(), (n, k)
+
+
+def test_found_inf_on_the_device_skips_the_step():
+    """The trainer's device-side skip: found_inf = 1 leaves parameters, codes, scales and step counts unchanged
+    (nothing read by the host: the flag and the counts stay on the GPU)."""
+    from torchtitan_glm.components.step_stats import optimizer_step, supports_device_skip
+
+    model = _Params().cuda()
+    opt = build_optimizer(model=model, cfg=OptimizerConfig(name="AdamW8bit", lr=1e-3))
+    assert supports_device_skip(opt, device=torch.device("cuda"))
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer_step(opt, found_inf=torch.zeros((), device="cuda"))
+    snap = {n: p.detach().clone() for n, p in model.named_parameters()}
+    states = {n: [t.clone() for t in _tensors(opt.state[p])] for n, p in model.named_parameters()}
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        optimizer_step(opt, found_inf=torch.ones((), device="cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), snap[n]), n
+        assert all(map(torch.equal, _tensors(opt.state[p]), states[n])), n
+        assert opt.state[p]["step"].device.type == "cuda" and float(opt.state[p]["step"]) == 1.0
+
+
+def _tensors(state: dict) -> list[torch.Tensor]:
+    out = [state["step"]]
+    for k in ("exp_avg", "exp_avg_sq"):
+        s = state[k]
+        out += [s.codes, s.scale] if hasattr(s, "codes") else [s]
+    return out

@@ -54,6 +54,26 @@ def test_fused_adamw_training_reads_nothing_from_the_device(tmp_path, world_of_o
     assert not trainer.stats.pending, "every step was resolved by the end"
 
 
+def test_fused_low_bit_adamw_reads_nothing_from_the_device(tmp_path, world_of_one):
+    """AdamW8bit's fused step under on_nonfinite = "skip": the step counts live on the device, the skip is its
+    found_inf, so no step reads a device value. torchao keeps the learning rate as a host tensor, which the step reads
+    (exempt: no device there)."""
+    trainer = _trainer(tmp_path, "--training.steps", "3", "--metrics.log_freq", "3", "--optimizer.name", "AdamW8bit",
+                       "--training.on_nonfinite", "skip")
+    assert trainer.device_skip and trainer.optimizer.implementation == "fused"
+
+    def host_lr(t: torch.Tensor) -> bool:
+        return any(t is g["lr"] for g in trainer.optimizer.param_groups)
+
+    with SyncRecorder(step=lambda: trainer.step, exempt=host_lr) as rec:
+        losses = trainer.train()
+    assert len(losses) == 3 and all(map(torch.isfinite, torch.tensor(losses)))
+    # step 1 creates torchao's states, whose code map is built from host tensors (on the host on a GPU too)
+    later = [s for s in rec.syncs if s.step > 1]
+    assert not later, "host syncs in the training loop:\n" + _describe(later)
+    assert all(s.where.startswith("components/lowbit_step.py") for s in rec.syncs), _describe(rec.syncs)
+
+
 def test_other_optimizers_read_one_flag_per_step_only_to_skip(tmp_path, world_of_one):
     """foreach AdamW has no found_inf. Under on_nonfinite = "skip" each step reads exactly the one non-finite flag,
     and nothing else that lives on the device (its step counters stay on the host and are exempt); under "stop" (the

@@ -115,6 +115,10 @@ from torchao.optim.subclass_8bit import OptimState8bit
 from torchtitan_glm.ops.adamw_lowbit import DYNAMIC8, PLAIN, _parts, adamw_lowbit_step_
 from torchtitan_glm.ops.adamw_lowbit_triton import adamw_lowbit_kernel_
 
+def snap(state):  # torchao's state subclasses have no deepcopy
+    return [state.codes.clone(), state.scale.clone()] if hasattr(state, "codes") else [state.clone()]
+
+
 g = torch.Generator().manual_seed(0)
 for fmt, numel, betas in ((DYNAMIC8, 8192, (0.9, 0.95)), (DYNAMIC8, 2048, (0.3, 0.4)), (PLAIN, 4100, (0.9, 0.95))):
     runs = []
@@ -123,14 +127,21 @@ for fmt, numel, betas in ((DYNAMIC8, 8192, (0.9, 0.95)), (DYNAMIC8, 2048, (0.3, 
         p = torch.randn(numel, generator=g) * 0.1
         states = [OptimState8bit.zeros((numel,), signed, 256) if fmt == DYNAMIC8 else torch.zeros(numel)
                   for signed in (True, False)]
-        for step in range(1, 4):
+        for step in range(1, 5):
             grad = torch.randn(numel, generator=g) * 0.01
-            sc = dict(lr=1e-3 * step, lr_wd=1e-4 * step, beta1=betas[0], beta2=betas[1], eps=1e-8,
-                      bc1=1 - betas[0] ** step, bc2_sqrt=(1 - betas[1] ** step) ** 0.5)
+            sc = dict(lr=1e-3 * step, lr_wd=1e-4 * step, beta1=betas[0], beta2=betas[1], eps=1e-8)
+            count = torch.tensor(float(min(step, 3)))
+            skip = torch.tensor(float(step == 4))  # the 4th step is skipped: nothing may change
+            if step == 4:
+                before = p.clone(), [snap(s) for s in states]
             if use_kernel:
-                adamw_lowbit_kernel_(p, grad, *_parts(states[0], fmt), *_parts(states[1], fmt), fmt=fmt, **sc)
+                adamw_lowbit_kernel_(p, grad, *_parts(states[0], fmt), *_parts(states[1], fmt), count, skip, fmt=fmt,
+                                     **sc)
             else:
-                adamw_lowbit_step_(p, grad, *states, fmt=fmt, **sc)
+                adamw_lowbit_step_(p, grad, *states, count, fmt=fmt, found_inf=skip, **sc)
+        assert torch.equal(p, before[0]), "a skipped step moved the parameter"
+        for now, then in zip(states, before[1]):
+            assert all(map(torch.equal, snap(now), then)), "a skipped step changed a moment"
         runs.append((p, states))
     (kp, ks), (rp, rs) = runs
     assert (kp - rp).abs().max() <= 1e-6 * rp.abs().max(), (fmt, (kp - rp).abs().max())
@@ -148,7 +159,8 @@ print("TRITON_INTERPRET_OK")
 
 def test_triton_kernel_matches_the_reference_under_the_interpreter():
     """The kernel (AdamW8bit's map, plain states with a ragged tail, both lerp branches) against the custom op's
-    torch reference, three steps each, in Triton's CPU interpreter."""
+    torch reference, three steps each, then a step under found_inf that changes nothing, in Triton's CPU
+    interpreter. The kernel's bias corrections come from exp2(step log2 beta), the reference's from pow."""
     pytest.importorskip("triton")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -172,3 +184,50 @@ def test_low_bit_implementation_choice(name):
     with pytest.raises(ConfigError) as e:
         OptimizerConfig(name="AdamW", implementation="compiled").validate()
     assert e.value.key == "optimizer.implementation"
+
+
+def test_found_inf_skips_the_fused_step_on_the_device():
+    """The fused low-bit step takes the trainer's device-side non-finite skip (components/step_stats.py): under
+    found_inf = 1 parameters, codes, scales and step counts stay as they were; under 0 it is the plain step. torchao's
+    compiled step has no found_inf, so the trainer reads the flag for it."""
+    from torchao.optim import AdamW8bit
+
+    from torchtitan_glm.components.step_stats import optimizer_step, supports_device_skip
+
+    cpu = torch.device("cpu")
+    runs = []
+    for flag in (None, torch.zeros(())):
+        ps = _params(0)
+        opt = build_optimizer(model=_Holder(ps), cfg=OptimizerConfig(name="AdamW8bit", lr=1e-3))
+        assert supports_device_skip(opt, device=cpu) and not supports_device_skip(opt, device=torch.device("cuda"))
+        for p in ps:
+            p.grad = torch.full(p.shape, 0.01)
+        optimizer_step(opt, found_inf=flag)
+        runs.append((ps, opt))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        assert torch.equal(a, b)
+    ps, opt = runs[1]
+    before = [p.detach().clone() for p in ps], [{k: _snap(v) for k, v in opt.state[p].items()} for p in ps]
+    for p in ps:
+        p.grad.fill_(float("nan"))
+    optimizer_step(opt, found_inf=torch.ones(()))
+    assert not hasattr(opt, "found_inf")
+    for p, was, st in zip(ps, before[0], before[1]):
+        assert torch.equal(p.detach(), was), "a skipped step moved weights"
+        assert float(opt.state[p]["step"]) == 1.0
+        for k, then in st.items():
+            assert all(map(torch.equal, _snap(opt.state[p][k]), then)), f"a skipped step changed {k}"
+    compiled = build_optimizer(model=_Holder(_params(0)), cfg=OptimizerConfig(name="AdamW8bit",
+                                                                             implementation="compiled"))
+    assert isinstance(compiled, AdamW8bit) and not supports_device_skip(compiled, device=cpu)
+
+
+def _snap(state: torch.Tensor) -> list[torch.Tensor]:
+    """Copies of a state's tensors (torchao's state subclasses have no deepcopy)."""
+    return [state.codes.clone(), state.scale.clone()] if hasattr(state, "codes") else [state.clone()]
+
+
+class _Holder(nn.Module):
+    def __init__(self, ps):
+        super().__init__()
+        self.ps = nn.ParameterList(ps)

@@ -1,12 +1,18 @@
 """The fused step of torchao's AdamW8bit / AdamWFp8 (`optimizer.implementation = "fused"`): the same states, created
 by torchao, updated by ops/adamw_lowbit.py (one Triton kernel per parameter on CUDA, its torch reference elsewhere)
-instead of torchao's torch.compile'd per-parameter function. Scalars are computed on the host from torchao's host-side step counter and
-learning-rate tensor, as torchao computes them, so the step never reads the device."""
+instead of torchao's torch.compile'd per-parameter function, without reading the device (see fused_lowbit_step)."""
 
 from __future__ import annotations
 
+import struct
+
 import torch
 from torch import Tensor
+
+
+def _f32(x: float) -> float:
+    """x rounded to FP32 (the product of two FP32 values is exact in a double, so rounding it once gives FP32's)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _local(t: Tensor) -> Tensor:
@@ -29,8 +35,12 @@ def _format(state: Tensor) -> int:
 
 
 @torch.no_grad()
-def fused_lowbit_step(optimizer: torch.optim.Optimizer) -> None:
-    """One step of a torchao `_AdamBase` AdamW optimizer (AdamW8bit or AdamWFp8) through the fused kernel."""
+def fused_lowbit_step(optimizer: torch.optim.Optimizer, found_inf: Tensor | None = None) -> None:
+    """One step of a torchao `_AdamBase` AdamW optimizer (AdamW8bit or AdamWFp8) through ops/adamw_lowbit.py.
+
+    The step counts live on the parameters' device (a count torchao's compiled step left on the host moves there
+    once): they advance by 1 - found_inf there, and the kernel forms the bias corrections from them, so neither
+    the count nor the flag is read by the host. The learning rate is torchao's host-side tensor."""
     from torchtitan_glm.ops.adamw_lowbit import adamw_lowbit_step_
 
     if not optimizer.is_adamw or optimizer.bf16_stochastic_round:
@@ -41,22 +51,31 @@ def fused_lowbit_step(optimizer: torch.optim.Optimizer) -> None:
         lr = group["lr"]
         if not isinstance(lr, Tensor):
             raise RuntimeError("lr was changed to a non-Tensor object; update it with param_groups[i]['lr'].fill_()")
-        beta1, beta2 = group["betas"]
-        scalars: dict[float, dict[str, float]] = {}
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        steps = []
+        for p in params:
             state = optimizer.state[p]
+            device = _local(p).device
             if len(state) == 0:
-                state["step"] = torch.tensor(0.0)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=device)
                 state["exp_avg"] = optimizer._new_buffer(p, True)
                 state["exp_avg_sq"] = optimizer._new_buffer(p, False)
-            state["step"] += 1
-            step = state["step"]
-            key = float(step)
-            if key not in scalars:  # host FP32 tensors, as torchao's step computes them
-                scalars[key] = dict(lr=lr.item(), lr_wd=(lr * group["weight_decay"]).item(),
-                                    bc1=(1 - beta1 ** step).item(), bc2_sqrt=(1 - beta2 ** step).sqrt().item())
+            elif state["step"].device != device:
+                state["step"] = state["step"].to(device=device, dtype=torch.float32)
+            steps.append(state["step"])
+        flag = None if found_inf is None else found_inf.to(device=steps[0].device, dtype=torch.float32)
+        if flag is None:
+            torch._foreach_add_(steps, 1.0)
+        else:  # a tensor list, not a 0-dim tensor operand (which the CPU path reads as a scalar)
+            torch._foreach_add_(steps, [1.0 - flag] * len(steps))
+        beta1, beta2 = group["betas"]
+        lr_value = lr.item()  # a host tensor, as torchao keeps it
+        lr_wd = _f32(_f32(lr_value) * _f32(group["weight_decay"]))  # torchao's FP32 lr * weight_decay
+        for p in params:
+            state = optimizer.state[p]
             exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-            adamw_lowbit_step_(_local(p.detach()), _local(p.grad), exp_avg, exp_avg_sq, fmt=_format(exp_avg),
-                               beta1=beta1, beta2=beta2, eps=group["eps"], **scalars[key])
+            adamw_lowbit_step_(_local(p.detach()), _local(p.grad), exp_avg, exp_avg_sq, state["step"],
+                               fmt=_format(exp_avg), lr=lr_value, lr_wd=lr_wd, beta1=beta1, beta2=beta2,
+                               eps=group["eps"], found_inf=flag)

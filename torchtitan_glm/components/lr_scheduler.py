@@ -47,6 +47,11 @@ class WarmupDecayLR(LambdaLR):
     checkpoint loads the optimizer before the scheduler, so that lr is what the first resumed step uses. A tensor
     lr (torchao's low-bit optimizers keep one, and refuse a float) is filled in place."""
 
+    def __init__(self, optimizer: torch.optim.Optimizer, lr_lambda) -> None:
+        super().__init__(optimizer, lr_lambda=lr_lambda)
+        # peak lrs as floats (a tensor lr's initial_lr is a tensor), read once here rather than in every step
+        self.base_lrs = [float(b) for b in self.base_lrs]
+
     def load_state_dict(self, state_dict: dict) -> None:
         peaks = list(self.base_lrs)
         super().load_state_dict(state_dict)
@@ -59,6 +64,11 @@ class WarmupDecayLR(LambdaLR):
             else:
                 group["lr"] = lr
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    def current_lr(self) -> float:
+        """The first group's lr for the current step as a Python float, from the schedule rather than from the
+        optimizer (whose lr may be a tensor: reading one is a host read the trainer's step avoids)."""
+        return self.base_lrs[0] * self.lr_lambdas[0](self.last_epoch)
 
 
 def build_lr_scheduler(*, optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig,

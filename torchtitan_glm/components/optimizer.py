@@ -105,6 +105,8 @@ def _low_bit(name: str, groups: list[dict], *, on_cuda: bool, implementation: st
         "'OptimStateFp8' object has no attribute 'qmap'") once both had run on a machine."""
 
         implementation = "fused" if fused else "compiled"
+        # the fused step honours a device-side found_inf flag (components/step_stats.py::optimizer_step)
+        supports_found_inf = fused
 
         def step(self, closure=None):
             if self.implementation == "fused":
@@ -114,7 +116,7 @@ def _low_bit(name: str, groups: list[dict], *, on_cuda: bool, implementation: st
                 if closure is not None:
                     with torch.enable_grad():
                         loss = closure()
-                fused_lowbit_step(self)
+                fused_lowbit_step(self, getattr(self, "found_inf", None))
                 return loss
             functorch_config = torch._functorch.config
             if not hasattr(functorch_config, "enable_autograd_cache"):

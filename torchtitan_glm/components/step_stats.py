@@ -48,11 +48,14 @@ class PendingStep:
 
 
 def supports_device_skip(optimizer: torch.optim.Optimizer, *, device: torch.device) -> bool:
-    """Whether `optimizer.step()` honours a `found_inf` flag on `device` without the host: torch's fused Adam/AdamW
-    with every parameter on that device type (a step on host parameters would read a flag still being copied)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
-        g.get("fused", False) and all(p.device.type == device.type for p in g["params"])
-        for g in optimizer.param_groups)
+    """Whether `optimizer.step()` honours a `found_inf` flag on `device` without the host: torch's fused Adam/AdamW,
+    or an optimizer that says so (`supports_found_inf`: the fused low-bit AdamWs), with every parameter on that
+    device type (a step on host parameters would read a flag still being copied)."""
+    on_device = all(p.device.type == device.type for g in optimizer.param_groups for p in g["params"])
+    if getattr(optimizer, "supports_found_inf", False):
+        return on_device
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and on_device and all(
+        g.get("fused", False) for g in optimizer.param_groups)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, *, found_inf: torch.Tensor | None) -> None:
@@ -60,7 +63,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, *, found_inf: torch.Tensor 
     if found_inf is None:
         optimizer.step()
         return
-    optimizer.found_inf = found_inf  # read by torch.optim.Adam.step, as torch.amp.GradScaler sets it
+    optimizer.found_inf = found_inf  # read by torch.optim.Adam.step (as torch.amp.GradScaler sets it), and ours
     try:
         optimizer.step()
     finally:

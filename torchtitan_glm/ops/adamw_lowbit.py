@@ -53,8 +53,10 @@ def _requant_(x: Tensor, codes: Tensor, scale: Tensor, qmap: Tensor, fmt: int) -
 @torch.library.custom_op("torchtitan_glm::adamw_lowbit_step",
                          mutates_args=("p", "m_codes", "m_scale", "v_codes", "v_scale"), device_types="cpu")
 def _adamw_lowbit_step(p: Tensor, grad: Tensor, m_codes: Tensor, m_scale: Tensor, m_qmap: Tensor, v_codes: Tensor,
-                       v_scale: Tensor, v_qmap: Tensor, fmt: int, lr: float, lr_wd: float, beta1: float, beta2: float,
-                       bc1: float, bc2_sqrt: float, eps: float) -> None:
+                       v_scale: Tensor, v_qmap: Tensor, step: Tensor, found_inf: Tensor | None, fmt: int, lr: float,
+                       lr_wd: float, beta1: float, beta2: float, eps: float) -> None:
+    if found_inf is not None and bool(found_inf):
+        return
     p32, g = p.float(), grad.float()
     m = _dequant(m_codes, m_scale, m_qmap, fmt)
     v = _dequant(v_codes, v_scale, v_qmap, fmt)
@@ -63,22 +65,23 @@ def _adamw_lowbit_step(p: Tensor, grad: Tensor, m_codes: Tensor, m_scale: Tensor
     v = torch.lerp(v, g.square(), 1.0 - beta2)
     _requant_(m, m_codes, m_scale, m_qmap, fmt)
     _requant_(v, v_codes, v_scale, v_qmap, fmt)
-    p.copy_(p32 - lr * (m / bc1) / (v.sqrt() / bc2_sqrt + eps))
+    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step  # FP32 tensors, as torchao's step computes them
+    p.copy_(p32 - lr * (m / bc1) / (v.sqrt() / bc2.sqrt() + eps))
 
 
 @_adamw_lowbit_step.register_kernel("cuda")
-def _adamw_lowbit_step_cuda(p, grad, m_codes, m_scale, m_qmap, v_codes, v_scale, v_qmap, fmt, lr, lr_wd, beta1,
-                            beta2, bc1, bc2_sqrt, eps):
+def _adamw_lowbit_step_cuda(p, grad, m_codes, m_scale, m_qmap, v_codes, v_scale, v_qmap, step, found_inf, fmt, lr,
+                            lr_wd, beta1, beta2, eps):
     from .adamw_lowbit_triton import adamw_lowbit_kernel_
 
     with torch.cuda.device(p.device):
-        adamw_lowbit_kernel_(p, grad, m_codes, m_scale, m_qmap, v_codes, v_scale, v_qmap, fmt=fmt, lr=lr,
-                             lr_wd=lr_wd, beta1=beta1, beta2=beta2, bc1=bc1, bc2_sqrt=bc2_sqrt, eps=eps)
+        adamw_lowbit_kernel_(p, grad, m_codes, m_scale, m_qmap, v_codes, v_scale, v_qmap, step, found_inf, fmt=fmt,
+                             lr=lr, lr_wd=lr_wd, beta1=beta1, beta2=beta2, eps=eps)
 
 
 @_adamw_lowbit_step.register_fake
-def _adamw_lowbit_step_fake(p, grad, m_codes, m_scale, m_qmap, v_codes, v_scale, v_qmap, fmt, lr, lr_wd, beta1,
-                            beta2, bc1, bc2_sqrt, eps):
+def _adamw_lowbit_step_fake(p, grad, m_codes, m_scale, m_qmap, v_codes, v_scale, v_qmap, step, found_inf, fmt, lr,
+                            lr_wd, beta1, beta2, eps):
     return None
 
 
@@ -91,12 +94,14 @@ def _parts(state: Tensor, fmt: int) -> tuple[Tensor, Tensor, Tensor]:
     return state.codes, state.scale, state.scale.new_empty(0)
 
 
-def adamw_lowbit_step_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, fmt: int, lr: float,
-                       lr_wd: float, beta1: float, beta2: float, bc1: float, bc2_sqrt: float, eps: float) -> None:
+def adamw_lowbit_step_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, *, fmt: int,
+                       lr: float, lr_wd: float, beta1: float, beta2: float, eps: float,
+                       found_inf: Tensor | None = None) -> None:
     """One AdamW step of one local (non-DTensor) parameter in place: `p` and `grad` contiguous, the moments
-    torchao's OptimState8bit (`fmt` DYNAMIC8), OptimStateFp8 (FP8) or plain tensors (PLAIN). The scalars are FP32
-    values computed as torchao computes them (`lr_wd` = lr * weight_decay, `bc1` = 1 - beta1^step,
-    `bc2_sqrt` = sqrt(1 - beta2^step))."""
+    torchao's OptimState8bit (`fmt` DYNAMIC8), OptimStateFp8 (FP8) or plain tensors (PLAIN); `step` the FP32 step
+    count after this step (a 0-dim tensor on p's device: the bias corrections are computed from it there, so the
+    host never reads it); `lr_wd` = lr * weight_decay in FP32. Nothing changes where `found_inf` (a 0-dim FP32 flag
+    on p's device) is non-zero."""
     numel = p.numel()
     if numel == 0:
         return
@@ -107,4 +112,8 @@ def adamw_lowbit_step_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Ten
                              f"(got shape {tuple(t.shape)}, stride {t.stride()})")
     if fmt != PLAIN and numel % BLOCK:
         raise ValueError(f"low-bit AdamW step: a quantised state needs a multiple of {BLOCK} values, got {numel}")
-    _adamw_lowbit_step(p, grad, *m_parts, *v_parts, fmt, lr, lr_wd, beta1, beta2, bc1, bc2_sqrt, eps)
+    for name, t in (("step", step), ("found_inf", found_inf)):
+        if t is not None and (t.device != p.device or t.numel() != 1 or t.dtype != torch.float32):
+            raise ValueError(f"low-bit AdamW step: {name} must be one FP32 value on {p.device}, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    _adamw_lowbit_step(p, grad, *m_parts, *v_parts, step, found_inf, fmt, lr, lr_wd, beta1, beta2, eps)

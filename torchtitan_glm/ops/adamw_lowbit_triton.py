@@ -13,6 +13,8 @@ branchless binary search over the 256-entry map (8 comparisons), then rounded to
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -75,14 +77,22 @@ def _requant(x, codes_ptr, scale_ptr, qmap_ptr, offs, rows, mask, row_mask, FORM
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, m_scale_ptr, m_qmap_ptr, v_ptr, v_scale_ptr, v_qmap_ptr, numel,
-                  lr, lr_wd, w1, w2, bc1, bc2_sqrt, eps,
-                  LOWER1: tl.constexpr, LOWER2: tl.constexpr, FORMAT: tl.constexpr,
+def _adamw_kernel(p_ptr, g_ptr, m_ptr, m_scale_ptr, m_qmap_ptr, v_ptr, v_scale_ptr, v_qmap_ptr, step_ptr, skip_ptr,
+                  numel, lr, lr_wd, w1, w2, log2_beta1, log2_beta2, eps,
+                  LOWER1: tl.constexpr, LOWER2: tl.constexpr, FORMAT: tl.constexpr, HAS_SKIP: tl.constexpr,
                   ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # FORMAT: ops/adamw_lowbit.py's PLAIN 0, DYNAMIC8 1, FP8 2
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = offs < numel
     row_mask = rows * BLOCK < numel
+    if HAS_SKIP:  # found_inf: every store masked off (the loads still run; a skipped step is rare)
+        skip = tl.load(skip_ptr)
+        mask = mask & ((tl.zeros([ROWS, BLOCK], tl.float32) + skip) == 0)
+        row_mask = row_mask & ((tl.zeros([ROWS], tl.float32) + skip) == 0)
+    step = tl.load(step_ptr)
+    bc1 = 1.0 - tl.exp2(step * log2_beta1)
+    bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = _dequant(m_ptr, m_scale_ptr, m_qmap_ptr, offs, rows, mask, row_mask, FORMAT)
@@ -98,15 +108,19 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, m_scale_ptr, m_qmap_ptr, v_ptr, v_scale_p
 
 
 def adamw_lowbit_kernel_(p: Tensor, grad: Tensor, m_codes: Tensor, m_scale: Tensor, m_qmap: Tensor, v_codes: Tensor,
-                         v_scale: Tensor, v_qmap: Tensor, *, fmt: int, lr: float, lr_wd: float, beta1: float,
-                         beta2: float, bc1: float, bc2_sqrt: float, eps: float) -> None:
-    """ops/adamw_lowbit.py's step on CUDA (its arguments, checked there); a format's unused tensors are empty."""
+                         v_scale: Tensor, v_qmap: Tensor, step: Tensor, found_inf: Tensor | None, *, fmt: int,
+                         lr: float, lr_wd: float, beta1: float, beta2: float, eps: float) -> None:
+    """ops/adamw_lowbit.py's step on CUDA (its arguments, checked there); a format's unused tensors are empty. The
+    bias corrections 1 - beta^step come from the device's step count as exp2(step * log2(beta)) (within an FP32
+    ulp or two of torchao's host-side pow)."""
     numel = p.numel()
     w1, w2 = 1.0 - beta1, 1.0 - beta2
     # a format's missing scale or map: the codes stand in (the kernel never reads them; Triton wants a pointer)
     m_scale, m_qmap = (t if t.numel() else m_codes for t in (m_scale, m_qmap))
     v_scale, v_qmap = (t if t.numel() else v_codes for t in (v_scale, v_qmap))
+    log2_b1, log2_b2 = (math.log2(b) if b > 0 else -math.inf for b in (beta1, beta2))
     grid = (triton.cdiv(numel, _ROWS * BLOCK),)
-    _adamw_kernel[grid](p, grad, m_codes, m_scale, m_qmap, v_codes, v_scale, v_qmap, numel, lr, lr_wd, w1, w2, bc1,
-                        bc2_sqrt, eps, LOWER1=abs(w1) < 0.5, LOWER2=abs(w2) < 0.5, FORMAT=fmt, ROWS=_ROWS,
-                        BLOCK=BLOCK, num_warps=4)
+    _adamw_kernel[grid](p, grad, m_codes, m_scale, m_qmap, v_codes, v_scale, v_qmap, step,
+                        step if found_inf is None else found_inf, numel, lr, lr_wd, w1, w2, log2_b1, log2_b2, eps,
+                        LOWER1=abs(w1) < 0.5, LOWER2=abs(w2) < 0.5, FORMAT=fmt, HAS_SKIP=found_inf is not None,
+                        ROWS=_ROWS, BLOCK=BLOCK, num_warps=4)
