@@ -52,9 +52,7 @@ def run(name: str, impl: str, shapes: list[torch.Size], *, steps: int, warmup: i
     holder = _Holder([torch.randn(s, device="cuda", generator=gen) * 0.02 for s in shapes])
     for p in holder.parameters():
         p.grad = torch.randn(p.shape, device="cuda", generator=gen) * 1e-3
-    cfg = OptimizerConfig(name=name, implementation=impl)
-    cfg.validate()
-    opt = build_optimizer(model=holder, cfg=cfg)
+    opt = build_optimizer(model=holder, cfg=OptimizerConfig(name=name, implementation=impl))
     ms = median_ms(opt.step, steps=steps, warmup=warmup)
     elements = sum(p.numel() for p in holder.parameters())
     row = dict(optimizer=f"{name}:{getattr(opt, 'implementation', impl)}", tensors=len(shapes), elements=elements,
@@ -83,11 +81,15 @@ def main() -> int:
     if a.steps < 1 or a.warmup < 1:
         print("--steps and --warmup must be >= 1 (the first step creates the states)", file=sys.stderr)
         return 2
+    from torchtitan_glm.config import ConfigError, OptimizerConfig
+
     choices = []
     for item in a.optimizers.split(","):
         name, _, impl = item.partition(":")
-        if name not in _BYTES:
-            print(f"--optimizers: unknown name {name!r} (one of {sorted(_BYTES)})", file=sys.stderr)
+        try:
+            OptimizerConfig(name=name, implementation=impl or "auto").validate()
+        except ConfigError as e:
+            print(f"--optimizers {item!r}: {e}", file=sys.stderr)
             return 2
         choices.append((name, impl or "auto"))
     shapes, total = [], 0

@@ -277,14 +277,17 @@ class OptimizerConfig(_Section):
 
     name: "AdamW" (torch; states in the parameters' dtype), "AdamW8bit" or "AdamWFp8" (torchao's low-bit AdamW:
     both moments stored blockwise-quantised, 8-bit or FP8 E4M3 codes plus one FP32 scale per 256 values, about 2.03
-    bytes per parameter instead of 8 for FP32 states); lr: peak learning rate; beta1, beta2, eps: AdamW moments; weight_decay: decoupled decay for
-    parameters with ndim >= 2 not declared no-decay by their module; implementation: for AdamW "auto" (fused on
-    CUDA, foreach otherwise), "fused", "foreach" or "for-loop"; for AdamW8bit / AdamWFp8 "auto" or "fused" (the
-    project's step over torchao's states: on CUDA one Triton kernel per parameter that reads and writes each value
-    once, elsewhere its torch reference) or "compiled" (torchao's own torch.compile'd step, one compile per
-    parameter shape); the states and checkpoints are the same either way; cpu_offload: keep the FSDP2-sharded parameters,
-    their gradients and optimizer states in host memory and step there (FSDP2's CPUOffloadPolicy: the parameters
-    are copied to the GPU for each block's forward and backward, the gradients back), AdamW only. torchao's
+    bytes per parameter instead of 8 for FP32 states); lr: peak learning rate; beta1, beta2, eps: AdamW moments;
+    weight_decay: decoupled decay for parameters with ndim >= 2 not declared no-decay by their module;
+    implementation: for AdamW "auto" (fused on CUDA, foreach otherwise), "fused", "foreach" or "for-loop"; for
+    AdamW8bit / AdamWFp8 "fused" (the project's step over torchao's states, ops/adamw_lowbit.py: on CUDA one Triton
+    kernel per parameter that reads and writes each value once, elsewhere its torch reference; it also takes
+    training.on_nonfinite = "skip" on the device, where "compiled" reads the step's flag on the host), "compiled"
+    (torchao's own torch.compile'd step, one compile per parameter shape) or "auto" ("compiled" on CUDA until the
+    fused kernel is measured there, "fused" elsewhere); the states and checkpoints are the same either way;
+    cpu_offload: keep the FSDP2-sharded parameters, their gradients and optimizer states in host memory and step
+    there (FSDP2's CPUOffloadPolicy: the parameters are copied to the GPU for each block's forward and backward, the
+    gradients back), AdamW only. torchao's
     CPUOffloadOptimizer is not offered: it is CUDA-only and for one device, keeps one optimizer per parameter over
     host copies (not FSDP2's DTensors), and its state_dict is not keyed by parameter names as the checkpoints need.
     """
@@ -309,11 +312,17 @@ class OptimizerConfig(_Section):
         self._require(0.0 <= self.beta2 < 1.0, "beta2", "must be in [0, 1)")
         self._require(math.isfinite(self.eps) and self.eps > 0, "eps", "must be a finite number > 0")
         self._require(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        if self.name == "AdamW":
-            self._choice("implementation", ("auto", "fused", "foreach", "for-loop"))
-        elif self.implementation not in LOW_BIT_IMPLEMENTATIONS:
-            self._fail("implementation", f"{self.name} is stepped by one of {list(LOW_BIT_IMPLEMENTATIONS)}, got "
-                       f"{self.implementation!r} ('foreach' and 'for-loop' are torch AdamW's)")
+        if self.name == "AdamW" and self.implementation in LOW_BIT_IMPLEMENTATIONS + ADAMW_IMPLEMENTATIONS:
+            self._require(self.implementation != "compiled", "implementation",
+                          "'compiled' is torchao's step of AdamW8bit / AdamWFp8; AdamW takes one of "
+                          f"{list(ADAMW_IMPLEMENTATIONS)}")
+        elif self.name == "AdamW":
+            self._choice("implementation", ADAMW_IMPLEMENTATIONS)
+        elif self.implementation in ADAMW_IMPLEMENTATIONS and self.implementation not in LOW_BIT_IMPLEMENTATIONS:
+            self._fail("implementation", f"{self.implementation!r} is torch AdamW's; {self.name} takes one of "
+                       f"{list(LOW_BIT_IMPLEMENTATIONS)}")
+        else:
+            self._choice("implementation", LOW_BIT_IMPLEMENTATIONS)
         if self.cpu_offload and self.name != "AdamW":
             self._fail("cpu_offload", f"offloads name 'AdamW' only: {self.name} saves GPU memory by shrinking the "
                        "states, which cpu_offload already keeps in host memory (and torchao's compiled step on the "
@@ -321,6 +330,7 @@ class OptimizerConfig(_Section):
 
 
 OPTIMIZERS = ("AdamW", "AdamW8bit", "AdamWFp8")
+ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
 LOW_BIT_IMPLEMENTATIONS = ("auto", "fused", "compiled")
 
 

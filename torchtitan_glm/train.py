@@ -27,7 +27,7 @@ from torchtitan_glm.components.lr_scheduler import build_lr_scheduler
 from torchtitan_glm.components.metrics import (
     DeviceMemoryMonitor, build_metrics_logger, flops_per_token, format_step_line, get_peak_flops, throughput,
 )
-from torchtitan_glm.components.optimizer import build_optimizer, clip_grad_norm_
+from torchtitan_glm.components.optimizer import build_optimizer, clip_grad_norm_, resolved_implementation
 from torchtitan_glm.components.outputs import check_output_folders
 from torchtitan_glm.components.profiling import StepProfiler
 from torchtitan_glm.components.resume import (layout_note, optimizer_changes, optimizer_note, precision_changes,
@@ -264,12 +264,14 @@ class Trainer:
                                                total_steps=cfg.training.steps)
         self.skipped = _SkippedSteps()
         self.stats = StepStats(device=self.device, tp=dims.tp, dp_size=self.dp_size)
-        # fused AdamW skips a non-finite update on the device; other optimizers (and steps on offloaded host
-        # parameters) read the flag each step
+        # fused AdamW and the fused low-bit step skip a non-finite update on the device; other optimizers (and steps
+        # on offloaded host parameters) read the flag each step
         self.device_skip = supports_device_skip(self.optimizer, device=self.device)
+        on_cuda = any(p.device.type == "cuda" for g in self.optimizer.param_groups for p in g["params"])
         self.run_info = run_info(cfg=cfg, args=self.args, tokenizer_vocab_size=self.tokenizer.vocab_size,
                                  layout=dims.describe(),
-                                 global_batch_rows=self.dataloader.global_batch_rows * self.accumulation.steps)
+                                 global_batch_rows=self.dataloader.global_batch_rows * self.accumulation.steps,
+                                 optimizer_step=resolved_implementation(cfg.optimizer, on_cuda=on_cuda))
         self.checkpointer = CheckpointManager(
             cfg=cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, extra_state={"skipped_steps": self.skipped},
@@ -386,10 +388,10 @@ class Trainer:
 
     def _optimizer_step(self, pending: PendingStep, loads: list[torch.Tensor]) -> None:
         """The update, the FP8 scales and the router biases, none of it where the step is not finite: decided on the
-        device (fused AdamW's found_inf), else from the one flag read now (see components/step_stats.py) under
-        training.on_nonfinite = "skip". Under "stop" the update is not held back: the run stops at the step's first
-        read, which comes before any checkpoint or export, so a non-finite update is never saved and the step needs
-        no host sync."""
+        device (found_inf: fused AdamW, the fused low-bit step), else from the one flag read now (see
+        components/step_stats.py) under training.on_nonfinite = "skip". Under "stop" the update is not held back:
+        the run stops at the step's first read, which comes before any checkpoint or export, so a non-finite update
+        is never saved and the step needs no host sync."""
         if self.device_skip:
             optimizer_step(self.optimizer, found_inf=pending.bad)
             precompute_float8_scales(self.model, cfg=self.cfg.float8)  # same weights, same scales when skipped

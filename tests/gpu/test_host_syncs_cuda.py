@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
     ((), ("--optimizer.implementation", "fused")),
     (("--training.global_batch_size", "2", "--parallelism.fsdp_reshard_after_forward", "never"),
      ("--optimizer.implementation", "fused")),
-    ((), ("--optimizer.name", "AdamW8bit", "--training.on_nonfinite", "skip")),
+    ((), ("--optimizer.name", "AdamW8bit", "--optimizer.implementation", "fused", "--training.on_nonfinite", "skip")),
 ], ids=["one_batch", "two_microbatches", "adamw8bit_fused_skip"])
 def test_a_training_step_does_not_sync(tmp_path, world_of_one, accumulate, optimizer):
     """Also a step of two accumulated microbatches (FSDP2's deferred reduce and held gathers), and AdamW8bit's fused

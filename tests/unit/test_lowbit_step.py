@@ -171,8 +171,14 @@ def test_triton_kernel_matches_the_reference_under_the_interpreter():
 
 @pytest.mark.parametrize("name", ["AdamW8bit", "AdamWFp8"])
 def test_low_bit_implementation_choice(name):
-    """"auto" and "fused" build the project's step, "compiled" torchao's; torch AdamW's implementations are refused
-    for the low-bit ones and "compiled" for AdamW, naming the key."""
+    """"fused" builds the project's step, "compiled" torchao's, "auto" the fused one on CPU and torchao's on CUDA
+    (until the kernel is measured there); torch AdamW's implementations are refused for the low-bit ones and
+    "compiled" for AdamW, naming the key."""
+    from torchtitan_glm.components.optimizer import resolved_implementation
+
+    assert resolved_implementation(OptimizerConfig(name=name), on_cuda=True) == "compiled"
+    assert resolved_implementation(OptimizerConfig(name=name), on_cuda=False) == "fused"
+    assert resolved_implementation(OptimizerConfig(name=name, implementation="fused"), on_cuda=True) == "fused"
     model = nn.Linear(64, 64)
     for impl, expect in (("auto", "fused"), ("fused", "fused"), ("compiled", "compiled")):
         assert build_optimizer(model=model, cfg=OptimizerConfig(name=name, implementation=impl)
@@ -183,7 +189,10 @@ def test_low_bit_implementation_choice(name):
         assert e.value.key == "optimizer.implementation" and "compiled" in str(e.value)
     with pytest.raises(ConfigError) as e:
         OptimizerConfig(name="AdamW", implementation="compiled").validate()
-    assert e.value.key == "optimizer.implementation"
+    assert e.value.key == "optimizer.implementation" and "torchao's step of AdamW8bit" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        OptimizerConfig(name=name, implementation="fussed").validate()
+    assert e.value.key == "optimizer.implementation" and "foreach" not in str(e.value)
 
 
 def test_found_inf_skips_the_fused_step_on_the_device():

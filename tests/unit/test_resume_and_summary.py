@@ -133,10 +133,26 @@ def test_a_resume_applies_this_runs_optimizer_settings(tmp_path, world_of_one, c
                for g in groups)
     assert [r.getMessage() for r in caplog.records if "optimizer settings changed" in r.getMessage()] == [
         "the optimizer settings changed since the checkpoint (optimizer.beta1 0.9 -> 0.5, optimizer.eps 1e-08 -> "
-        "0.0001, optimizer.weight_decay 0.1 -> 0.5, optimizer.implementation 'auto' -> 'for-loop'): its moments "
-        "carry over and the new settings apply from step 3"]
+        "0.0001, optimizer.weight_decay 0.1 -> 0.5, optimizer.implementation 'foreach' -> 'for-loop'): its moments "
+        "carry over and the new settings apply from step 3"]  # the implementations as they ran ('auto' on CPU)
     assert any(r.getMessage().startswith("checkpoint.initial_load_path ") and "is not read: this run resumes from "
                "its own checkpoint" in r.getMessage() for r in caplog.records)
+
+
+def test_an_implementation_spelled_otherwise_is_no_change():
+    """optimizer.implementation "auto" and what it resolves to are the same step: no resume note (run.json records
+    the implementation that ran); a checkpoint without that record compares the keys as written."""
+    from torchtitan_glm.components.resume import optimizer_changes
+
+    def info(impl, ran):
+        return {"config": {"optimizer": {"name": "AdamW8bit", "lr": 1e-3, "implementation": impl}},
+                **({"optimizer_step": ran} if ran else {})}
+
+    assert optimizer_changes(info("fused", "fused"), info("auto", "fused")) == []
+    assert optimizer_changes(info("auto", "compiled"), info("auto", "fused")) == [
+        "optimizer.implementation 'compiled' -> 'fused'"]
+    assert optimizer_changes(info("fused", None), info("auto", "fused")) == [
+        "optimizer.implementation 'fused' -> 'auto'"]
 
 
 def test_startup_summary_counts_this_ranks_state():
@@ -154,7 +170,7 @@ def test_startup_summary_counts_this_ranks_state():
                          "tokens/step", "steps", "dump folder", "tensorboard", "checkpoints", "resume"}
     assert rows["compute"] == "eager (compile.enable false); activation checkpointing " + cfg.activation_checkpoint.mode
     assert rows["tokens/step"].startswith("768 ")  # 128 x 3 x 2
-    assert "(AdamW; sharded state)" in rows["memory/rank"]
+    assert "(AdamW, foreach step; sharded state)" in rows["memory/rank"]
     # 384 rows x 2 (trunk + MTP) = 768 <= loss.ce_chunk_size 1024: one chunk, no FP32 [vocab, D] buffer
     assert rows["loss buffers"] == ("3.00 MiB logits chunk, 128.00 KiB LM-head weight gradient (one chunk: in the "
                                     "weight's dtype)")  # 768 x 512 x (4 + 4); 512 x 64 x 4
@@ -174,7 +190,7 @@ def test_startup_summary_counts_this_ranks_state():
     text = startup_summary(cfg=low_bit, args=model.args, model=model, world=2, dp_size=2, device=torch.device("cpu"),
                            resume="fresh start")
     rows = dict(re.findall(r"^  (\S+(?: \S+)?)\s{2,}(.+)$", text, flags=re.M))
-    assert "(AdamW8bit; sharded state)" in rows["memory/rank"]
+    assert "(AdamW8bit, fused step; sharded state)" in rows["memory/rank"]
     assert rows["loss buffers"] == ("1.46 MiB logits chunk, 128.00 KiB LM-head weight gradient (FP32: 1,024 rows > "
                                     "loss.ce_chunk_size 500)")  # 500 x 512 x (4 + 2); 512 x 64 x 4
 

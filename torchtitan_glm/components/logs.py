@@ -201,6 +201,9 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
                       weight_bytes=weight_bytes)
     opt = cfg.optimizer
     where = "; params, grads and optimizer in host memory (optimizer.cpu_offload)" if opt.cpu_offload else ""
+    from torchtitan_glm.components.optimizer import resolved_implementation
+
+    step_impl = resolved_implementation(opt, on_cuda=device.type == "cuda" and not opt.cpu_offload)
     backend = "nccl" if device.type == "cuda" else "gloo"
     micro = cfg.training.accumulation_steps(dp_size)
     tokens = cfg.training.tokens_per_step(dp_size)
@@ -223,7 +226,8 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
             sum(m.fp8 for m in experts), len(experts)))),
         ("compute", compute_line(cfg)),
         ("memory/rank", f"params {format_bytes(mem['params'])}, grads {format_bytes(mem['grads'])}, optimizer "
-                        f"{format_bytes(mem['optimizer'])} ({opt.name}; sharded state{where}); activations not "
+                        f"{format_bytes(mem['optimizer'])} ({opt.name}, {step_impl} step; sharded state{where}); "
+                        "activations not "
                         "included"),
         *([("planned peak", planned)] if planned else []),
         *([("planned speed", planned_speed)] if planned_speed else []),

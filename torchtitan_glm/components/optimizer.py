@@ -15,8 +15,8 @@ from torch import nn
 
 from torchtitan_glm.config import OptimizerConfig
 
-__all__ = ["split_decay_params", "param_groups", "build_optimizer", "optimizer_state_bytes", "adamw_state_bytes",
-           "clip_grad_norm_"]
+__all__ = ["split_decay_params", "param_groups", "resolved_implementation", "build_optimizer", "optimizer_state_bytes",
+           "adamw_state_bytes", "clip_grad_norm_"]
 
 # torchao.optim's low-bit AdamW: tensors of at least this many values, in blocks of this many (one FP32 scale per
 # block), are stored quantised (1 byte a value; AdamW8bit adds a 256-entry FP32 code map per state); smaller ones
@@ -63,20 +63,28 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
+def resolved_implementation(cfg: OptimizerConfig, *, on_cuda: bool) -> str:
+    """The step `build_optimizer` runs for [optimizer] over parameters on CUDA or not: AdamW "auto" is "fused" on
+    CUDA, else "foreach"; the low-bit AdamWs' "auto" is torchao's "compiled" step on CUDA (the project's "fused"
+    Triton kernel is opt-in there until measured on a GPU) and "fused" (its torch reference, no compile) elsewhere."""
+    if cfg.implementation != "auto":
+        return cfg.implementation
+    if cfg.name == "AdamW":
+        return "fused" if on_cuda else "foreach"
+    return "compiled" if on_cuda else "fused"
+
+
 def build_optimizer(*, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """The [optimizer] over `param_groups`: torch's AdamW (implementation "auto": fused when a parameter lives on
-    CUDA, else foreach) or torchao's AdamW8bit / AdamWFp8 (implementation "auto" = "fused": ops/adamw_lowbit.py,
-    a Triton kernel on CUDA; "compiled": torchao's own step)."""
+    """The [optimizer] over `param_groups`: torch's AdamW or torchao's AdamW8bit / AdamWFp8, stepped by
+    `resolved_implementation` (for the low-bit ones "fused" is ops/adamw_lowbit.py, "compiled" torchao's own step)."""
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
         raise ValueError("model has no trainable parameters")
     hyper = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
     on_cuda = any(p.device.type == "cuda" for g in groups for p in g["params"])
+    impl = resolved_implementation(cfg, on_cuda=on_cuda)
     if cfg.name != "AdamW":
-        return _low_bit(cfg.name, groups, on_cuda=on_cuda, implementation=cfg.implementation, **hyper)
-    impl = cfg.implementation
-    if impl == "auto":
-        impl = "fused" if on_cuda else "foreach"
+        return _low_bit(cfg.name, groups, on_cuda=on_cuda, implementation=impl, **hyper)
     flags = {"fused": dict(fused=True, foreach=False), "foreach": dict(fused=False, foreach=True),
              "for-loop": dict(fused=False, foreach=False)}
     if impl not in flags:
@@ -84,7 +92,7 @@ def build_optimizer(*, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Op
     return torch.optim.AdamW(groups, **hyper, **flags[impl])
 
 
-def _low_bit(name: str, groups: list[dict], *, on_cuda: bool, implementation: str = "auto",
+def _low_bit(name: str, groups: list[dict], *, on_cuda: bool, implementation: str,
              **hyper) -> torch.optim.Optimizer:
     from torchtitan_glm.config import ConfigError
 
@@ -95,14 +103,14 @@ def _low_bit(name: str, groups: list[dict], *, on_cuda: bool, implementation: st
     if name == "AdamWFp8" and on_cuda and torch.cuda.get_device_capability() < (8, 9):
         raise ConfigError("optimizer.name", "AdamWFp8 needs a GPU of compute capability >= 8.9 (FP8 E4M3); this "
                           f"one is {torch.cuda.get_device_name()}: use AdamW8bit")
-    fused = implementation in ("auto", "fused")
+    fused = implementation == "fused"
     base = {"AdamW8bit": AdamW8bit, "AdamWFp8": AdamWFp8}[name]
 
     class LowBitAdamW(base):  # type: ignore[misc, valid-type]
         """torchao's optimizer and states. Stepped by ops/adamw_lowbit.py (components/lowbit_step.py; "fused") or by
-        torchao's per-parameter compiled step ("compiled"), the latter without AOTAutograd's on-disk cache: with torch 2.13 and torchao
-        0.18 that cache served AdamW8bit's compiled step to AdamWFp8 (same graph, other state class;
-        "'OptimStateFp8' object has no attribute 'qmap'") once both had run on a machine."""
+        torchao's per-parameter compiled step ("compiled"), the latter without AOTAutograd's on-disk cache: with
+        torch 2.13 and torchao 0.18 that cache served AdamW8bit's compiled step to AdamWFp8 (same graph, other state
+        class; "'OptimStateFp8' object has no attribute 'qmap'") once both had run on a machine."""
 
         implementation = "fused" if fused else "compiled"
         # the fused step honours a device-side found_inf flag (components/step_stats.py::optimizer_step)

@@ -23,13 +23,15 @@ _PRECISION_ARGS = ("indexer_fp8_emulation", "mhc_fp32_mixing", "kpool_fp32_accum
 
 
 def run_info(*, cfg: Any, args: Any, tokenizer_vocab_size: int, layout: str | None = None,
-             global_batch_rows: int | None = None) -> dict[str, Any]:
+             global_batch_rows: int | None = None, optimizer_step: str | None = None) -> dict[str, Any]:
     """The facts about this run saved with its checkpoints (JSON): the whole config, the model arguments, the
-    parallel layout (ParallelDims.describe) and the global batch in rows."""
+    parallel layout (ParallelDims.describe), the global batch in rows and the optimizer implementation that ran
+    (optimizer.implementation resolved: "auto" is one of the others)."""
     model_args = {k: v for k, v in dataclasses.asdict(args).items() if k not in _FREE_ARGS}
     return json.loads(json.dumps({"config": cfg.to_dict(), "model_args": model_args,
                                   "tokenizer_vocab_size": tokenizer_vocab_size, "layout": layout,
-                                  "global_batch_rows": global_batch_rows}, default=str))
+                                  "global_batch_rows": global_batch_rows, "optimizer_step": optimizer_step},
+                                 default=str))
 
 
 def _exact_keys(info: dict[str, Any]) -> dict[str, Any]:
@@ -168,9 +170,13 @@ def optimizer_note(saved: dict[str, Any], current: dict[str, Any], step: int) ->
 
 
 def optimizer_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """'optimizer.key old -> new' for each [optimizer] setting that differs, but name and lr (their own rules)."""
+    """'optimizer.key old -> new' for each [optimizer] setting that differs, but name and lr (their own rules); the
+    implementation as it ran where both runs recorded it ("auto" and what it resolved to are the same step)."""
     old, new = saved.get("config", {}).get("optimizer"), current["config"]["optimizer"]
     if not old:
         return []
+    ran = {"old": saved.get("optimizer_step"), "new": current.get("optimizer_step")}
+    if ran["old"] and ran["new"]:
+        old, new = {**old, "implementation": ran["old"]}, {**new, "implementation": ran["new"]}
     return [f"optimizer.{k} {old[k]!r} -> {v!r}" for k, v in new.items()
             if k not in ("name", "lr") and k in old and old[k] != v]

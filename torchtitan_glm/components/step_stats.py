@@ -10,10 +10,11 @@ this one's kernels keep the GPU busy; its `torch.cuda.Event.synchronize` does no
 `torch.cuda.set_sync_debug_mode`).
 
 The non-finite guard (training.on_nonfinite) must not apply a non-finite update: `optimizer_step` passes the flag
-to torch's fused AdamW as `found_inf` (the GradScaler protocol: the kernel leaves parameters, moments and step
-counts untouched when it is 1), so the decision never leaves the device. Optimizers without that protocol (foreach /
-for-loop AdamW, torchao's low-bit AdamW, CPU-offloaded steps) read the one flag on the host before stepping: one
-sync per step. Every rank takes the same decision: the flag derives from world-reduced values.
+to torch's fused AdamW and to the fused low-bit AdamW step (components/lowbit_step.py) as `found_inf` (the
+GradScaler protocol: the kernel leaves parameters, moments and step counts untouched when it is 1), so the decision
+never leaves the device. Optimizers without that protocol (foreach / for-loop AdamW, torchao's compiled low-bit
+step, CPU-offloaded steps) read the one flag on the host before stepping: one sync per step. Every rank takes the
+same decision: the flag derives from world-reduced values.
 """
 
 from __future__ import annotations

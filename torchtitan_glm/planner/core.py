@@ -206,7 +206,10 @@ def build_inventory(cfg: JobConfig, *, scope: str) -> ModelInventory:
     model, line = build_meta_model(cfg, args=args)
     inv = inventory(model, line, recipe=cfg.float8.recipe if cfg.float8.enable else None,
                     fsdp_reshard=cfg.parallelism.fsdp_reshard_after_forward)
-    return dataclasses.replace(inv, optimizer=cfg.optimizer.name, optimizer_implementation=cfg.optimizer.implementation)
+    from torchtitan_glm.components.optimizer import resolved_implementation
+
+    return dataclasses.replace(inv, optimizer=cfg.optimizer.name,
+                               optimizer_implementation=resolved_implementation(cfg.optimizer, on_cuda=True))
 
 
 def plan_layout(request: Request, cfg: JobConfig, inv: ModelInventory, layout: Layout, verdict: Verdict,

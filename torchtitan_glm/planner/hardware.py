@@ -60,7 +60,8 @@ class GpuSpec:
             f"{self.kda_fwd_bwd_s_per_token_head * 1e9:.1f} ns per token-head fwd+bwd, fused CE "
             f"{self.fused_ce_s_per_token * 1e6:.2f} us per token, HBM {self.hbm_bandwidth / 1e12:.1f} TB/s; "
             + ", ".join(f"{k} step {v * 1e12:.1f} ps" for k, v in self.optimizer_s_per_param.items())
-            + f" per parameter (others: bytes at HBM speed); FSDP2 copies {self.fsdp_gather_copy_s_per_elem * 1e12:.2f}"
+            + f" per parameter (AdamWFp8's compiled step assumed the same; fused steps and the rest: bytes at HBM "
+            f"speed); FSDP2 copies {self.fsdp_gather_copy_s_per_elem * 1e12:.2f}"
             f" ps per gathered and {self.fsdp_reduce_copy_s_per_elem * 1e12:.2f} ps per reduced element",
             f"assumed: network: {self.gpus_per_node} GPUs per node, NVLink bus bandwidth {self.nvlink_busbw / g:.0f} "
             f"GB/s, InfiniBand {self.ib_busbw / g:.0f} GB/s per GPU, all-to-all at {self.a2a_efficiency:.0%} of "

@@ -64,7 +64,7 @@ class ModelInventory:
     dense_fp8_fraction: float  # of the dense projections' weight elements, those Float8Linear converts
     dense_tp_fraction: float  # of the dense projections' weight elements, those tensor parallelism splits
     optimizer: str = "AdamW"  # optimizer.name: AdamW keeps both moments in the parameters' dtype, the low-bit ones 1 B
-    optimizer_implementation: str = "auto"  # optimizer.implementation (the step's time, not its memory)
+    optimizer_implementation: str = "fused"  # optimizer.implementation as run on a GPU (the step's time)
 
     @property
     def params(self) -> list[Param]:

@@ -35,18 +35,21 @@ from .model import ModelInventory
 from .params import local_trainable_elements, trainable_unit_bytes, unit_bytes
 
 # Bytes per trainable element where no time is measured. AdamW: read p, g, m, v and write p, m, v (FP32: 28 B);
-# AdamWFp8 / AdamW8bit: the moments 1 B each (16 B; the fused step's one pass, which torchao's compiled step is not). The clip: the norm reads g, the scale reads and writes it (12 B).
+# AdamWFp8 / AdamW8bit: the moments 1 B each (16 B: the fused step's one pass; torchao's compiled step is not one
+# pass, and without its own measured rate takes AdamW8bit's). The clip: the norm reads g, the scale reads and
+# writes it (12 B).
 OPTIMIZER_BYTES_PER_PARAM = {"AdamW": 28, "AdamWFp8": 16, "AdamW8bit": 16}
 CLIP_BYTES_PER_PARAM = 12
 
 
-def optimizer_seconds(name: str, elements: int, gpu: GpuSpec, implementation: str = "auto") -> float:
-    """The optimizer step plus the gradient clip over `elements` trainable elements of one rank. Measured rates are
-    keyed "<name> <implementation>" for the low-bit AdamWs ("auto" is "fused" on a GPU), by name for AdamW."""
-    key = name
-    if name != "AdamW":
-        key = f"{name} {'fused' if implementation == 'auto' else implementation}"
+def optimizer_seconds(name: str, elements: int, gpu: GpuSpec, implementation: str) -> float:
+    """The optimizer step plus the gradient clip over `elements` trainable elements of one rank; `implementation`
+    resolved (components/optimizer.py::resolved_implementation). Measured rates are keyed by name for AdamW and
+    "<name> <implementation>" for the low-bit AdamWs."""
+    key = name if name == "AdamW" else f"{name} {implementation}"
     rate = gpu.optimizer_s_per_param.get(key)
+    if rate is None and implementation == "compiled":
+        rate = gpu.optimizer_s_per_param.get("AdamW8bit compiled")
     step = elements * rate if rate is not None else elements * OPTIMIZER_BYTES_PER_PARAM[name] / gpu.hbm_bandwidth
     return step + elements * CLIP_BYTES_PER_PARAM / gpu.hbm_bandwidth
 
