@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from torchtitan_glm.config import SERVING_BF16_ROLES
 from torchtitan_glm.float8 import plain_tensors
 
 from .hf_io import (
@@ -248,7 +249,7 @@ def _like(source: torch.Tensor | None, local: torch.Tensor) -> torch.Tensor:
 
 
 def save_hf_from_sharded(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
-                         fp8: bool = False, keep_bf16: tuple[str, ...] | list[str] = ("indexer", "mla", "kda"),
+                         fp8: bool = False, keep_bf16: tuple[str, ...] | list[str] = SERVING_BF16_ROLES,
                          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                          process_group: dist.ProcessGroup | None = None,
                          extra_files: Mapping[str, bytes] | None = None) -> Path:
