@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import inspect
 import math
 import os
 import sys
@@ -287,9 +288,9 @@ class OptimizerConfig(_Section):
     fused kernel is measured there, "fused" elsewhere); the states and checkpoints are the same either way;
     cpu_offload: keep the FSDP2-sharded parameters, their gradients and optimizer states in host memory and step
     there (FSDP2's CPUOffloadPolicy: the parameters are copied to the GPU for each block's forward and backward, the
-    gradients back), AdamW only. torchao's
-    CPUOffloadOptimizer is not offered: it is CUDA-only and for one device, keeps one optimizer per parameter over
-    host copies (not FSDP2's DTensors), and its state_dict is not keyed by parameter names as the checkpoints need.
+    gradients back), AdamW only. torchao's CPUOffloadOptimizer is not offered: it is CUDA-only and for one device,
+    keeps one optimizer per parameter over host copies (not FSDP2's DTensors), and its state_dict is not keyed by
+    parameter names as the checkpoints need.
     """
 
     SECTION: ClassVar[str] = "optimizer"
@@ -860,8 +861,9 @@ def _lookup(section: str, key: str | None, source: str) -> Any:
     return types_.get(key) if key is not None else None
 
 
-def _parse_argv(argv: list[str]) -> tuple[str | None, bool, bool, list[tuple[str, str | None]]]:
-    """Split argv into (config path, --print-config, --help, [(dotted key, raw value or None for a bare flag)])."""
+def _parse_argv(argv: list[str]) -> tuple[str | None, bool, bool | str, list[tuple[str, str | None]]]:
+    """Split argv into (config path, --print-config, --help (True, or the SECTION of `--help SECTION`), [(dotted
+    key, raw value or None for a bare flag)])."""
     config_path, print_config, want_help, overrides = None, False, False, []
     i = 0
     while i < len(argv):
@@ -869,6 +871,8 @@ def _parse_argv(argv: list[str]) -> tuple[str | None, bool, bool, list[tuple[str
         i += 1
         if arg in ("-h", "--help"):
             want_help = True
+            if i < len(argv) and not argv[i].startswith("-"):  # --help SECTION
+                want_help, i = argv[i], i + 1
             continue
         if arg == "--print-config":
             print_config = True
@@ -892,10 +896,24 @@ def _parse_argv(argv: list[str]) -> tuple[str | None, bool, bool, list[tuple[str
     return config_path, print_config, want_help, overrides
 
 
-def _help_text() -> str:
-    lines = ["usage: train.py [--config FILE.toml] [--print-config] [--section.key VALUE | --section.key=VALUE]...", ""]
+def _help_text(section_only: str | None = None) -> str:
+    """Every key with its type and default, each section headed by its docstring's first line; for `section_only`
+    the section's whole docstring (what each key means) above its keys."""
+    if section_only is not None and section_only not in _SECTIONS:
+        close = difflib.get_close_matches(section_only, list(_SECTIONS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError("--help", f"unknown section {section_only!r}{hint}; sections are {list(_SECTIONS)}")
+    lines = ["usage: train.py [--config FILE.toml] [--print-config] [--section.key VALUE | --section.key=VALUE]...",
+             "       train.py --help SECTION   (what each key of [SECTION] means)", ""]
     for section, cls in _SECTIONS.items():
-        lines.append(f"[{section}]")
+        if section_only is not None and section != section_only:
+            continue
+        doc = inspect.cleandoc(cls.__doc__ or "")
+        if section_only is not None:
+            lines += [doc, "", f"[{section}]"]
+        else:
+            first = doc.splitlines()[0] if doc else ""
+            lines.append(first if first.startswith(f"[{section}]") else f"[{section}]  {first}".rstrip())
         default = cls()
         for name, tp in _field_types(cls).items():
             if tp is dict:
@@ -910,12 +928,12 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     """Parse `--config path.toml`, `--print-config` and `--section.key value` overrides into a validated JobConfig.
 
     `--print-config` prints the merged config as TOML, then checks it: exit 0 when valid, else the ConfigError (a
-    config for another machine, e.g. its data paths, still prints); `--help` lists every key and exits 0.
+    config for another machine, e.g. its data paths, still prints); `--help` lists every key and exits 0 (`--help SECTION`: that section's description too).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     config_path, print_config, want_help, overrides = _parse_argv(argv)
     if want_help:
-        print(_help_text())
+        print(_help_text(want_help if isinstance(want_help, str) else None))
         raise SystemExit(0)
     file_note = f"config file {config_path}" if config_path else None
     values: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}

@@ -151,6 +151,20 @@ def test_print_config_round_trips(tmp_path, capsys):
                                "--compile.components", "loss"])
 
 
+def test_help_section_prints_what_each_key_means(capsys):
+    """`--help SECTION`: the section's docstring (each key's meaning) above its keys, and nothing of the other
+    sections; an unknown section exits 2 naming it, with the closest one."""
+    with pytest.raises(SystemExit) as info:
+        load_config(["--help", "optimizer"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "implementation: for AdamW" in out and "--optimizer.implementation (string" in out
+    assert "--training.steps" not in out and "[training]" not in out
+    with pytest.raises(ConfigError) as e:
+        load_config(["--help", "optimiser"])
+    assert e.value.key == "--help" and "did you mean 'optimizer'" in str(e.value)
+
+
 def test_help_lists_every_key(capsys):
     with pytest.raises(SystemExit) as info:
         load_config(["--help"])
@@ -163,6 +177,7 @@ def test_help_lists_every_key(capsys):
                 assert f"--{section.name}.{f.name} " in out
         for key in cls.extra_keys():
             assert f"--{section.name}.{key} " in out
+        assert f"[{section.name}] " in out  # headed by its docstring's first line
 
 
 def test_every_key_is_documented_in_its_section_docstring():
