@@ -10,7 +10,8 @@ model order up to --max-elements (default: all; the proxy has 7.95e9, whose FP32
 64 GB, so an 80 GB card needs a cap), allocated as plain CUDA tensors with fixed random gradients. The step is the
 same per element whatever the cap, apart from launches: the table gives ms per step, ps per element, and the
 bandwidth that ms means at 16 B per element (read p, g and both 1-byte moments, write p and both moments; AdamW's
-FP32 moments: 28 B).
+FP32 moments: 28 B). For AdamW8bit's fused step two more rows time its kernel alone with the 8-bit codes found
+from the map's structure (what it runs) and by binary search over the map.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def model_shapes(config: str, overrides: list[str]) -> list[torch.Size]:
     return [p.shape for p in model.parameters() if p.requires_grad]
 
 
-def run(name: str, impl: str, shapes: list[torch.Size], *, steps: int, warmup: int) -> dict:
+def run(name: str, impl: str, shapes: list[torch.Size], *, steps: int, warmup: int) -> list[dict]:
     from torchtitan_glm.components.optimizer import build_optimizer
     from torchtitan_glm.config import OptimizerConfig
 
@@ -53,16 +54,44 @@ def run(name: str, impl: str, shapes: list[torch.Size], *, steps: int, warmup: i
     for p in holder.parameters():
         p.grad = torch.randn(p.shape, device="cuda", generator=gen) * 1e-3
     opt = build_optimizer(model=holder, cfg=OptimizerConfig(name=name, implementation=impl))
-    ms = median_ms(opt.step, steps=steps, warmup=warmup)
     elements = sum(p.numel() for p in holder.parameters())
-    row = dict(optimizer=f"{name}:{getattr(opt, 'implementation', impl)}", tensors=len(shapes), elements=elements,
-               step_ms=round(ms, 3), ps_per_element=round(ms * 1e9 / elements, 2),
-               gb_per_s=round(elements * _BYTES[name] / (ms * 1e-3) / 1e9, 1),
-               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+
+    def row(label: str, ms: float) -> dict:
+        return dict(optimizer=label, tensors=len(shapes), elements=elements, step_ms=round(ms, 3),
+                    ps_per_element=round(ms * 1e9 / elements, 2),
+                    gb_per_s=round(elements * _BYTES[name] / (ms * 1e-3) / 1e9, 1),
+                    peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+
+    rows = [row(f"{name}:{getattr(opt, 'implementation', impl)}", median_ms(opt.step, steps=steps, warmup=warmup))]
+    if name == "AdamW8bit" and opt.implementation == "fused":
+        # the kernel alone over the states the steps made, its 8-bit codes found both ways
+        rows += [row(f"{name} kernel alone, codes {how}", median_ms(_kernels(opt, direct), steps=steps, warmup=1))
+                 for how, direct in (("from the map's structure", True), ("by binary search", False))]
     del opt, holder
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    return row
+    return rows
+
+
+def _kernels(opt, direct: bool):
+    """A closure stepping every parameter through ops/adamw_lowbit_triton.py directly (no optimizer around it)."""
+    from torchtitan_glm.components.lowbit_step import _format
+    from torchtitan_glm.ops.adamw_lowbit import _parts
+    from torchtitan_glm.ops.adamw_lowbit_triton import adamw_lowbit_kernel_
+
+    calls = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state[p]
+            fmt = _format(st["exp_avg"])
+            calls.append((p.detach(), p.grad, *_parts(st["exp_avg"], fmt), *_parts(st["exp_avg_sq"], fmt),
+                          st["step"], fmt, group))
+
+    def run():
+        for p, g, *parts, step, fmt, group in calls:
+            adamw_lowbit_kernel_(p, g, *parts, step, None, fmt=fmt, lr=1e-4, lr_wd=1e-5, beta1=group["betas"][0],
+                                 beta2=group["betas"][1], eps=group["eps"], direct_codes=direct)
+    return run
 
 
 def main() -> int:
@@ -104,9 +133,9 @@ def main() -> int:
         return 2
     rows = []
     for name, impl in choices:
-        row = run(name, impl, shapes, steps=a.steps, warmup=a.warmup)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        for row in run(name, impl, shapes, steps=a.steps, warmup=a.warmup):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     print_table(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {a.config}: {len(shapes)} tensors, "
                 f"{total / 1e9:.2f}e9 elements, FP32",
                 {"optimizer": "optimizer", "step ms": "step_ms", "ps per element": "ps_per_element",

@@ -96,3 +96,11 @@ def _tensors(state: dict) -> list[torch.Tensor]:
         s = state[k]
         out += [s.codes, s.scale] if hasattr(s, "codes") else [s]
     return out
+
+
+def test_8bit_codes_from_the_maps_structure_equal_the_binary_search_on_cuda():
+    """The gather-free codes with the GPU's approximate log2/exp2 against the binary search (tests/lowbit_codes.py)."""
+    from tests.lowbit_codes import mismatches
+
+    result = mismatches("cuda")
+    assert not any(v for k, v in result.items() if "!=" in k), result

@@ -134,9 +134,9 @@ for fmt, numel, betas in ((DYNAMIC8, 8192, (0.9, 0.95)), (DYNAMIC8, 2048, (0.3, 
             skip = torch.tensor(float(step == 4))  # the 4th step is skipped: nothing may change
             if step == 4:
                 before = p.clone(), [snap(s) for s in states]
-            if use_kernel:
+            if use_kernel:  # the 8-bit codes found by binary search on odd steps, from the map's structure else
                 adamw_lowbit_kernel_(p, grad, *_parts(states[0], fmt), *_parts(states[1], fmt), count, skip, fmt=fmt,
-                                     **sc)
+                                     direct_codes=step % 2 == 0, **sc)
             else:
                 adamw_lowbit_step_(p, grad, *states, count, fmt=fmt, found_inf=skip, **sc)
         assert torch.equal(p, before[0]), "a skipped step moved the parameter"
@@ -167,6 +167,19 @@ def test_triton_kernel_matches_the_reference_under_the_interpreter():
     res = subprocess.run([sys.executable, "-c", _INTERPRET], cwd=root, env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0 and "TRITON_INTERPRET_OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_8bit_codes_from_the_maps_structure_equal_the_binary_search():
+    """The kernel's gather-free 8-bit codes against its binary search and the reference's searchsorted rule, on
+    every entry and midpoint of both maps (and FP32 neighbours), powers of ten and random magnitudes
+    (tests/lowbit_codes.py), in Triton's CPU interpreter."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, os.path.join(root, "tests", "lowbit_codes.py")], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "'signed: direct != binary search': 0" in res.stdout and "'unsigned: probes'" in res.stdout
 
 
 @pytest.mark.parametrize("name", ["AdamW8bit", "AdamWFp8"])

@@ -105,6 +105,9 @@ def adamw_lowbit_step_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Ten
     numel = p.numel()
     if numel == 0:
         return
+    if fmt == DYNAMIC8 and not (exp_avg.signed and not exp_avg_sq.signed):
+        raise ValueError("low-bit AdamW step: exp_avg must be on the signed 8-bit map and exp_avg_sq on the "
+                         "unsigned one (as torchao's AdamW8bit makes them)")
     m_parts, v_parts = _parts(exp_avg, fmt), _parts(exp_avg_sq, fmt)
     for name, t in (("parameter", p), ("gradient", grad), ("exp_avg", m_parts[0]), ("exp_avg_sq", v_parts[0])):
         if not t.is_contiguous() or t.numel() != numel:

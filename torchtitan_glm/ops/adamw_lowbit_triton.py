@@ -7,8 +7,10 @@ and the states; on the proxy (7.95e9 parameters on one H200) that step took 185.
 it launch gaps (docs/performance.md, ninth session), where one pass at the card's bandwidth is about 30 ms.
 bitsandbytes' fused 8-bit kernel takes neither FSDP2's DTensors nor torchao's state layout, which the checkpoints
 store. This kernel reads each parameter, gradient and moment once and writes them once, in place, in torchao's
-layout, so checkpoints are the same whichever implementation wrote them. AdamW8bit's nearest code is found by a
-branchless binary search over the 256-entry map (8 comparisons), then rounded to the nearer neighbour.
+layout, so checkpoints are the same whichever implementation wrote them. AdamW8bit's nearest code is computed
+from the map's structure (_direct_code): a binary search over the 256-entry map is 10 gathers per value and
+moment, whose scattered addresses cost the L1 more than the value's own bytes cost DRAM; it remains for the lanes
+the direct form cannot settle.
 """
 
 from __future__ import annotations
@@ -50,24 +52,88 @@ def _dequant(codes_ptr, scale_ptr, qmap_ptr, offs, rows, mask, row_mask, FORMAT:
 
 
 @triton.jit
-def _requant(x, codes_ptr, scale_ptr, qmap_ptr, offs, rows, mask, row_mask, FORMAT: tl.constexpr):
+def _binary_search_code(y, qmap_ptr, mask):
+    """The nearest code of y by torchao's rule: the last entry <= y by a branchless binary search over the sorted
+    map (8 gathers), then the upper neighbour where y is at least halfway to it (2 more). Masked-off lanes issue no
+    loads."""
+    codes = tl.where(y >= tl.load(qmap_ptr + 128), 128, 0)
+    codes += tl.where(y >= tl.load(qmap_ptr + codes + 64, mask=mask, other=0.0), 64, 0)
+    codes += tl.where(y >= tl.load(qmap_ptr + codes + 32, mask=mask, other=0.0), 32, 0)
+    codes += tl.where(y >= tl.load(qmap_ptr + codes + 16, mask=mask, other=0.0), 16, 0)
+    codes += tl.where(y >= tl.load(qmap_ptr + codes + 8, mask=mask, other=0.0), 8, 0)
+    codes += tl.where(y >= tl.load(qmap_ptr + codes + 4, mask=mask, other=0.0), 4, 0)
+    codes += tl.where(y >= tl.load(qmap_ptr + codes + 2, mask=mask, other=0.0), 2, 0)
+    codes += tl.where(y >= tl.load(qmap_ptr + codes + 1, mask=mask, other=0.0), 1, 0)
+    up = tl.minimum(codes + 1, 255)
+    down_val = tl.load(qmap_ptr + codes, mask=mask, other=0.0)
+    up_val = tl.load(qmap_ptr + up, mask=mask, other=0.0)
+    return tl.where(y - down_val >= (up_val - down_val) * 0.5, up, codes)
+
+
+@triton.jit
+def _direct_code(y, qmap_ptr, mask, SIGNED: tl.constexpr):
+    """The same code computed from the map's structure, with no gathers for all but a few lanes.
+
+    torchao's dynamic map (create_dynamic_map, default arguments): decade i = 0..6 holds n = 2^i (signed) or 2^(i+1)
+    (unsigned) values 10^(i-6) (0.1 + 0.9 (j + 0.5) / n), j < n, evenly spaced, so the nearest value of a = |y| in
+    its decade is j = floor(pos + 1/2) with pos = ((a / 10^(i-6) - 0.1) / 0.9) n - 1/2; a past either end of its
+    decade (pos < 0 or > n - 1) goes to that end or to the neighbouring value (the previous decade's top, zero
+    below decade 0; the next decade's bottom, 1.0 above decade 6) by their midpoint. Positive values have codes
+    128 + k (signed; 127 is zero) or 1 + k (unsigned; 0 is zero) for the k-th positive value, 1.0 is 255, and the
+    signed map's negatives mirror the positives at 126 - k (no -1.0: -1 takes the most negative, code 0). Computed
+    in FP32 (the GPU's approximate log2/exp2 included) this lands on the right value wherever a is not within 1e-3
+    of a spacing (or 1e-5 relative) of a midpoint; the position's rounding error is under 2e-4 spacings. Those few
+    lanes, and NaNs, take the binary search instead, which also settles exact ties as torchao does."""
+    U: tl.constexpr = 0 if SIGNED else 1
+    a = tl.abs(y)
+    i = tl.floor(tl.log2(tl.maximum(a, 1e-30)) * 0.30102999566398120) + 7.0  # decade of a
+    i = tl.minimum(tl.maximum(i, 0.0), 6.0)
+    n = tl.exp2(i + U)
+    unit = tl.exp2((i - 6.0) * 3.3219280948873623)  # 10^(i-6)
+    pos = (a / unit - 0.1) / 0.9 * n - 0.5
+    jr = tl.floor(pos + 0.5)
+    frac = pos + 0.5 - jr
+    safe = tl.minimum(frac, 1.0 - frac) >= 1e-3
+    start = n - tl.exp2(U * 1.0)  # positive values before decade i
+    # below the decade's first value: that value or the previous one (the top of decade i-1, or zero)
+    first = unit * (0.1 + 0.45 / n)
+    prev = tl.where(i > 0.0, unit * 0.1 * (1.0 - 0.9 / n), 0.0)  # top of decade i-1: 10^(i-7)(1 - 0.45 / (n/2))
+    mid_lo = (prev + first) * 0.5
+    # above its last value: that value or the next one (decade i+1's first, or 1.0 above decade 6)
+    last = unit * (1.0 - 0.45 / n)
+    nxt = tl.where(i < 6.0, unit * 10.0 * (0.1 + 0.225 / n), 1.0)
+    mid_hi = (last + nxt) * 0.5
+    # the neighbours past either end are not one spacing away (the previous decade's top at pos -0.6, the next
+    # decade's first at n + 2, 1.0 at n - 1/2 for decade 6): outside [0, n - 1] the midpoint decides
+    low, high = pos < 0.0, pos > n - 1.0
+    k = start + jr
+    k = tl.where(low, start - 1.0 + (a >= mid_lo).to(tl.float32), k)
+    k = tl.where(high, start + n - 1.0 + (a >= mid_hi).to(tl.float32), k)
+    edge = tl.where(low, mid_lo, mid_hi)
+    safe = tl.where(low | high, tl.abs(a - edge) >= 1e-5 * a, safe)
+    k = tl.where(a < 1e-7, -1.0, k)  # zero (decade 0 starts at 3.25e-7)
+    safe = safe | (a < 1e-7)
+    safe = safe & (a == a)
+    if SIGNED:
+        code = tl.where(y < 0.0, 126.0 - tl.minimum(k, 126.0), 128.0 + k).to(tl.int32)
+    else:
+        code = (1.0 + k).to(tl.int32)
+    fallback = _binary_search_code(y, qmap_ptr, mask & (safe == 0))
+    return tl.where(safe, code, fallback)
+
+
+@triton.jit
+def _requant(x, codes_ptr, scale_ptr, qmap_ptr, offs, rows, mask, row_mask, FORMAT: tl.constexpr,
+             SIGNED: tl.constexpr, DIRECT: tl.constexpr):
     if FORMAT == 0:
         tl.store(codes_ptr + offs, x.to(codes_ptr.dtype.element_ty), mask=mask)
     elif FORMAT == 1:
         scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
         y = x / scale[:, None]
-        codes = tl.where(y >= tl.load(qmap_ptr + 128), 128, 0)
-        codes += tl.where(y >= tl.load(qmap_ptr + codes + 64), 64, 0)
-        codes += tl.where(y >= tl.load(qmap_ptr + codes + 32), 32, 0)
-        codes += tl.where(y >= tl.load(qmap_ptr + codes + 16), 16, 0)
-        codes += tl.where(y >= tl.load(qmap_ptr + codes + 8), 8, 0)
-        codes += tl.where(y >= tl.load(qmap_ptr + codes + 4), 4, 0)
-        codes += tl.where(y >= tl.load(qmap_ptr + codes + 2), 2, 0)
-        codes += tl.where(y >= tl.load(qmap_ptr + codes + 1), 1, 0)
-        up = tl.minimum(codes + 1, 255)
-        down_val = tl.load(qmap_ptr + codes)
-        up_val = tl.load(qmap_ptr + up)
-        codes = tl.where(y - down_val >= (up_val - down_val) * 0.5, up, codes)
+        if DIRECT:
+            codes = _direct_code(y, qmap_ptr, mask, SIGNED)
+        else:
+            codes = _binary_search_code(y, qmap_ptr, mask)
         tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=mask)
         tl.store(scale_ptr + rows, scale, mask=row_mask)
     else:
@@ -80,6 +146,7 @@ def _requant(x, codes_ptr, scale_ptr, qmap_ptr, offs, rows, mask, row_mask, FORM
 def _adamw_kernel(p_ptr, g_ptr, m_ptr, m_scale_ptr, m_qmap_ptr, v_ptr, v_scale_ptr, v_qmap_ptr, step_ptr, skip_ptr,
                   numel, lr, lr_wd, w1, w2, log2_beta1, log2_beta2, eps,
                   LOWER1: tl.constexpr, LOWER2: tl.constexpr, FORMAT: tl.constexpr, HAS_SKIP: tl.constexpr,
+                  DIRECT: tl.constexpr,
                   ROWS: tl.constexpr, BLOCK: tl.constexpr):
     # FORMAT: ops/adamw_lowbit.py's PLAIN 0, DYNAMIC8 1, FP8 2
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -100,8 +167,8 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, m_scale_ptr, m_qmap_ptr, v_ptr, v_scale_p
     p = p - lr_wd * p
     m = _lerp(m, g, w1, LOWER1)
     v = _lerp(v, g * g, w2, LOWER2)
-    _requant(m, m_ptr, m_scale_ptr, m_qmap_ptr, offs, rows, mask, row_mask, FORMAT)
-    _requant(v, v_ptr, v_scale_ptr, v_qmap_ptr, offs, rows, mask, row_mask, FORMAT)
+    _requant(m, m_ptr, m_scale_ptr, m_qmap_ptr, offs, rows, mask, row_mask, FORMAT, True, DIRECT)  # signed map
+    _requant(v, v_ptr, v_scale_ptr, v_qmap_ptr, offs, rows, mask, row_mask, FORMAT, False, DIRECT)  # unsigned
     denom = tl.sqrt(v) / bc2_sqrt + eps
     p = p - lr * (m / bc1) / denom
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
@@ -109,10 +176,13 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, m_scale_ptr, m_qmap_ptr, v_ptr, v_scale_p
 
 def adamw_lowbit_kernel_(p: Tensor, grad: Tensor, m_codes: Tensor, m_scale: Tensor, m_qmap: Tensor, v_codes: Tensor,
                          v_scale: Tensor, v_qmap: Tensor, step: Tensor, found_inf: Tensor | None, *, fmt: int,
-                         lr: float, lr_wd: float, beta1: float, beta2: float, eps: float) -> None:
-    """ops/adamw_lowbit.py's step on CUDA (its arguments, checked there); a format's unused tensors are empty. The
-    bias corrections 1 - beta^step come from the device's step count as exp2(step * log2(beta)) (within an FP32
-    ulp or two of torchao's host-side pow)."""
+                         lr: float, lr_wd: float, beta1: float, beta2: float, eps: float,
+                         direct_codes: bool = True) -> None:
+    """ops/adamw_lowbit.py's step on CUDA (its arguments, checked there; AdamW8bit's exp_avg on the signed map,
+    exp_avg_sq on the unsigned one, as torchao makes them); a format's unused tensors are empty. The bias
+    corrections 1 - beta^step come from the device's step count as exp2(step * log2(beta)) (within an FP32 ulp or
+    two of torchao's host-side pow). direct_codes=False finds every 8-bit code by the binary search (the same codes;
+    for timing the two)."""
     numel = p.numel()
     w1, w2 = 1.0 - beta1, 1.0 - beta2
     # a format's missing scale or map: the codes stand in (the kernel never reads them; Triton wants a pointer)
@@ -123,4 +193,5 @@ def adamw_lowbit_kernel_(p: Tensor, grad: Tensor, m_codes: Tensor, m_scale: Tens
     _adamw_kernel[grid](p, grad, m_codes, m_scale, m_qmap, v_codes, v_scale, v_qmap, step,
                         step if found_inf is None else found_inf, numel, lr, lr_wd, w1, w2, log2_b1, log2_b2, eps,
                         LOWER1=abs(w1) < 0.5, LOWER2=abs(w2) < 0.5, FORMAT=fmt, HAS_SKIP=found_inf is not None,
+                        DIRECT=direct_codes,
                         ROWS=_ROWS, BLOCK=BLOCK, num_warps=4)
