@@ -28,7 +28,8 @@
 #   accum (issue 12): the training-scope benchmark and train.py on the proxy in one call, train.py at each global batch
 #   in ACCUM_GLOBAL_LIST (default "1 8" rows: one row per step, and 8 microbatches accumulated) under
 #   fsdp_reshard_after_forward ACCUM_RESHARD (default never) and AC mode ACCUM_AC (default selective; none fits at 8
-#   rows per step by plan); ACCUM_BENCH=0 leaves the benchmark out.
+#   rows per step by plan); ACCUM_BENCH=0 leaves the benchmark out; ACCUM_ARGS: more train.py overrides (e.g.
+#   "--optimizer.implementation fused").
 #   multigpu (issue 15; needs a multi-GPU kind): train.py on the proxy with FSDP2 x EP over N GPUs for each N in
 #   MULTI_N (default 1 2 4 8, up to the GPUs present), FP8 split on, MULTI_STEPS steps, one log per N (tokens/s,
 #   MFU, peak memory per GPU in its metric lines; weak scaling = tokens/s per GPU at N / at 1); then CP = 2 x EP on
@@ -141,7 +142,8 @@ case " $STAGES " in *" accum "*)
     timeout "${ACCUM_TIMEOUT:-240}" torchrun --nproc-per-node 1 train.py --config train_configs/glm5_3_flash_proxy.toml \
         --training.global_batch_size "$g" --parallelism.fsdp_reshard_after_forward "${ACCUM_RESHARD:-never}" \
         --activation_checkpoint.mode "$ac" --training.steps "$steps" --metrics.log_freq 5 --checkpoint.enable false \
-        --metrics.enable_tensorboard false --job.dump_folder "$OUT/accum_${ac}_$g" 2>&1 | tee "$OUT/accum_${ac}_$g.log"
+        --metrics.enable_tensorboard false --job.dump_folder "$OUT/accum_${ac}_$g" ${ACCUM_ARGS:-} 2>&1 \
+        | tee "$OUT/accum_${ac}_$g.log"
   done ;;
 esac
 pack_cache
