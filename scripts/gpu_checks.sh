@@ -22,8 +22,8 @@
 #   fp8curve (issue 8): 200 proxy steps through train.py, BF16 and the FP8 split (FP8CURVE_PREC, one per call),
 #   compared by scripts/compare_runs.py (end means within 1%).
 #   optim (issue 12): train.py on the proxy, eager (no compile to pay), for each name[:implementation] in OPTIM_NAMES
-#   (default AdamW8bit:fused AdamW8bit:compiled AdamWFp8:fused AdamW), OPTIM_STEPS steps with [profiling] on the last two: the optimizer step's device time
-#   (ops.txt, row Optimizer.step#<name>.step) and the peak memory per optimizer (full AC: AdamW's FP32 moments alone
+#   (default AdamW8bit:fused AdamW8bit:compiled AdamWFp8:fused AdamW), OPTIM_STEPS steps with [profiling] on the
+#   last two: the optimizer step's device time (ops.txt, row Optimizer.step#<name>.step) and the peak memory per optimizer (full AC: AdamW's FP32 moments alone
 #   take 59 GiB).
 #   accum (issue 12): the training-scope benchmark and train.py on the proxy in one call, train.py at each global batch
 #   in ACCUM_GLOBAL_LIST (default "1 8" rows: one row per step, and 8 microbatches accumulated) under

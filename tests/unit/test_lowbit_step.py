@@ -5,13 +5,12 @@ checked on the GPU only (tests/gpu/test_lowbit_step_cuda.py): the interpreter's 
 that round up to the next power of two (127.6 -> 64 with Triton 3.6), which the hardware cast does not."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch import nn
 
+from tests.interpret import ROOT, run_interpreted
 from torchtitan_glm.components.lowbit_step import fused_lowbit_step
 from torchtitan_glm.components.optimizer import build_optimizer
 from torchtitan_glm.config import ConfigError, OptimizerConfig
@@ -162,10 +161,7 @@ def test_triton_kernel_matches_the_reference_under_the_interpreter():
     torch reference, three steps each, then a step under found_inf that changes nothing, in Triton's CPU
     interpreter. The kernel's bias corrections come from exp2(step log2 beta), the reference's from pow."""
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run([sys.executable, "-c", _INTERPRET], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=600)
+    res = run_interpreted("-c", _INTERPRET)
     assert res.returncode == 0 and "TRITON_INTERPRET_OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
 
@@ -174,10 +170,7 @@ def test_8bit_codes_from_the_maps_structure_equal_the_binary_search():
     every entry and midpoint of both maps (and FP32 neighbours), powers of ten and random magnitudes
     (tests/lowbit_codes.py), in Triton's CPU interpreter."""
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run([sys.executable, os.path.join(root, "tests", "lowbit_codes.py")], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = run_interpreted(os.path.join(ROOT, "tests", "lowbit_codes.py"))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "'signed: direct != binary search': 0" in res.stdout and "'unsigned: probes'" in res.stdout
 

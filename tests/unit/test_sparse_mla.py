@@ -3,15 +3,13 @@ Triton kernels under the Triton interpreter (CPU) when triton is installed."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.interpret import run_interpreted
 from torchtitan_glm.ops import sparse_mla as sm
 
 
@@ -198,8 +196,5 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
 def test_triton_kernels_under_interpreter():
     """The Triton forward and backward against the torch reference, run by Triton's CPU interpreter."""
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=600)
+    res = run_interpreted("-c", _INTERPRET_SCRIPT)
     assert res.returncode == 0 and "TRITON_INTERPRET_OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]

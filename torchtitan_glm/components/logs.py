@@ -227,8 +227,7 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
         ("compute", compute_line(cfg)),
         ("memory/rank", f"params {format_bytes(mem['params'])}, grads {format_bytes(mem['grads'])}, optimizer "
                         f"{format_bytes(mem['optimizer'])} ({opt.name}, {step_impl} step; sharded state{where}); "
-                        "activations not "
-                        "included"),
+                        "activations not included"),
         *([("planned peak", planned)] if planned else []),
         *([("planned speed", planned_speed)] if planned_speed else []),
         *([("host offload", f"{format_bytes(host_pinned)} pinned host memory per rank for the checkpointed blocks' "

@@ -16,9 +16,11 @@ def _f32(x: float) -> float:
 
 
 def _local(t: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
+    """This rank's plain tensor of a parameter, gradient or state: a DTensor's local shard, unwrapped from
+    torchao's FP8 all-gather wrapper (float8.fsdp_float8_all_gather), which a Triton kernel cannot take."""
+    from torchtitan_glm.components.logs import local_shard
 
-    return t.to_local() if isinstance(t, DTensor) else t
+    return local_shard(t)
 
 
 def _format(state: Tensor) -> int:

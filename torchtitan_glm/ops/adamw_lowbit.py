@@ -74,6 +74,8 @@ def _adamw_lowbit_step_cuda(p, grad, m_codes, m_scale, m_qmap, v_codes, v_scale,
                             lr_wd, beta1, beta2, eps):
     from .adamw_lowbit_triton import adamw_lowbit_kernel_
 
+    if any(type(t) is not torch.Tensor for t in (p, grad, m_codes, v_codes)):  # the kernel reads raw pointers
+        raise TypeError("low-bit AdamW step on CUDA: pass plain tensors (a DTensor's local shard, unwrapped)")
     with torch.cuda.device(p.device):
         adamw_lowbit_kernel_(p, grad, m_codes, m_scale, m_qmap, v_codes, v_scale, v_qmap, step, found_inf, fmt=fmt,
                              lr=lr, lr_wd=lr_wd, beta1=beta1, beta2=beta2, eps=eps)
