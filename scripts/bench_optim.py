@@ -10,8 +10,8 @@ model order up to --max-elements (default: all; the proxy has 7.95e9, whose FP32
 64 GB, so an 80 GB card needs a cap), allocated as plain CUDA tensors with fixed random gradients. The step is the
 same per element whatever the cap, apart from launches: the table gives ms per step, ps per element, and the
 bandwidth that ms means at 16 B per element (read p, g and both 1-byte moments, write p and both moments; AdamW's
-FP32 moments: 28 B). For AdamW8bit's fused step two more rows time its kernel alone with the 8-bit codes found
-from the map's structure (what it runs) and by binary search over the map.
+FP32 moments: 28 B). For AdamW8bit's fused step more rows time its kernel alone with the 8-bit codes found each
+way ops/adamw_lowbit_triton.py has (CODE_SEARCHES) and launch shape (the step runs the default, "checked").
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch import nn
 from cuda_timing import median_ms, print_table
 
 _BYTES = {"AdamW": 28, "AdamW8bit": 16, "AdamWFp8": 16}
+_SHAPES = ((8, 4), (4, 4), (2, 4), (1, 4), (1, 2), (2, 8))  # the kernel-alone rows' (blocks per program, warps)
 
 
 class _Holder(nn.Module):
@@ -64,19 +65,27 @@ def run(name: str, impl: str, shapes: list[torch.Size], *, steps: int, warmup: i
 
     rows = [row(f"{name}:{getattr(opt, 'implementation', impl)}", median_ms(opt.step, steps=steps, warmup=warmup))]
     if name == "AdamW8bit" and opt.implementation == "fused":
-        # the kernel alone over the states the steps made, its 8-bit codes found both ways
-        rows += [row(f"{name} kernel alone, codes {how}", median_ms(_kernels(opt, direct), steps=steps, warmup=1))
-                 for how, direct in (("from the map's structure", True), ("by binary search", False))]
+        from torchtitan_glm.ops.adamw_lowbit_triton import CODE_SEARCHES
+
+        # the kernel alone over the states the steps made, its 8-bit codes found each way
+        # and launch shape (256-value blocks per program, warps)
+        for how in CODE_SEARCHES:
+            for r, w in _SHAPES:
+                run = _kernels(opt, how, rows=r, num_warps=w)
+                ms = median_ms(run, steps=steps, warmup=1)
+                k = run()
+                rows.append(row(f"{name} kernel alone, codes {how}, {r} blocks/{w} warps, {k.n_regs} registers, "
+                                f"{k.n_spills} spills", ms))
     del opt, holder
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     return rows
 
 
-def _kernels(opt, direct: bool):
+def _kernels(opt, codes: str, **launch):
     """A closure stepping every parameter through ops/adamw_lowbit_triton.py directly (no optimizer around it)."""
     from torchtitan_glm.components.lowbit_step import _format
-    from torchtitan_glm.ops.adamw_lowbit import _parts
+    from torchtitan_glm.ops.adamw_lowbit import DYNAMIC8, _parts
     from torchtitan_glm.ops.adamw_lowbit_triton import adamw_lowbit_kernel_
 
     calls = []
@@ -88,9 +97,12 @@ def _kernels(opt, direct: bool):
                           st["step"], fmt, group))
 
     def run():
+        kernels = {}
         for p, g, *parts, step, fmt, group in calls:
-            adamw_lowbit_kernel_(p, g, *parts, step, None, fmt=fmt, lr=1e-4, lr_wd=1e-5, beta1=group["betas"][0],
-                                 beta2=group["betas"][1], eps=group["eps"], direct_codes=direct)
+            kernels[fmt] = adamw_lowbit_kernel_(p, g, *parts, step, None, fmt=fmt, lr=1e-4, lr_wd=1e-5,
+                                                beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                                                codes=codes, **launch)
+        return kernels[DYNAMIC8]  # the 8-bit states' compiled kernel
     return run
 
 

@@ -39,13 +39,17 @@ def test_fused_step_matches_torchaos_compiled_step(name, dtype):
         for step in range(5):
             opt.param_groups[0]["lr"].fill_(1e-3 * (step + 1) / 5)
             for p in model.parameters():
-                p.grad = torch.randn(p.shape, generator=gen, device="cuda") * 1e-3
+                p.grad = (torch.randn(p.shape, generator=gen, device="cuda") * 1e-3).to(dtype)
             opt.step()
         runs.append((model, opt))
     (fm, fo), (cm, co) = runs
     tol = 2e-6 if dtype == torch.float32 else 8e-3  # BF16: a rounding flip is one ulp (2^-8 relative)
     for (n, a), b in zip(fm.named_parameters(), cm.parameters()):
-        assert a.dtype == dtype and (a - b).abs().max() <= tol * b.abs().max(), (n, (a - b).abs().max())
+        diff = (a - b).abs().detach()
+        # within rounding, but for the few values whose moment took the neighbouring code (one E4M3 ulp moves an
+        # update by up to 1/8 of its size: the updates over the five steps sum to at most ~3e-3)
+        assert a.dtype == dtype and (diff > tol * b.abs().max()).float().mean() < 1e-3, (n, diff.max())
+        assert diff.max() <= 5e-4, (n, diff.max())
         if dtype == torch.bfloat16:
             assert (a != b).float().mean() < 1e-3, n
         sa, sb = fo.state[a], co.state[b]
@@ -98,8 +102,9 @@ def _tensors(state: dict) -> list[torch.Tensor]:
     return out
 
 
-def test_8bit_codes_from_the_maps_structure_equal_the_binary_search_on_cuda():
-    """The gather-free codes with the GPU's approximate log2/exp2 against the binary search (tests/lowbit_codes.py)."""
+def test_8bit_codes_found_each_way_equal_the_reference_on_cuda():
+    """The codes found each way, with the GPU's approximate log2/exp2, against the reference's rule
+    (tests/lowbit_codes.py)."""
     from tests.lowbit_codes import mismatches
 
     result = mismatches("cuda")

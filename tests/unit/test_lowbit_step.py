@@ -112,7 +112,7 @@ _INTERPRET = r"""
 import torch
 from torchao.optim.subclass_8bit import OptimState8bit
 from torchtitan_glm.ops.adamw_lowbit import DYNAMIC8, PLAIN, _parts, adamw_lowbit_step_
-from torchtitan_glm.ops.adamw_lowbit_triton import adamw_lowbit_kernel_
+from torchtitan_glm.ops.adamw_lowbit_triton import CODE_SEARCHES, adamw_lowbit_kernel_
 
 def snap(state):  # torchao's state subclasses have no deepcopy
     return [state.codes.clone(), state.scale.clone()] if hasattr(state, "codes") else [state.clone()]
@@ -133,9 +133,9 @@ for fmt, numel, betas in ((DYNAMIC8, 8192, (0.9, 0.95)), (DYNAMIC8, 2048, (0.3, 
             skip = torch.tensor(float(step == 4))  # the 4th step is skipped: nothing may change
             if step == 4:
                 before = p.clone(), [snap(s) for s in states]
-            if use_kernel:  # the 8-bit codes found by binary search on odd steps, from the map's structure else
+            if use_kernel:  # the 8-bit codes found each way in turn
                 adamw_lowbit_kernel_(p, grad, *_parts(states[0], fmt), *_parts(states[1], fmt), count, skip, fmt=fmt,
-                                     direct_codes=step % 2 == 0, **sc)
+                                     codes=CODE_SEARCHES[step % 3], **sc)
             else:
                 adamw_lowbit_step_(p, grad, *states, count, fmt=fmt, found_inf=skip, **sc)
         assert torch.equal(p, before[0]), "a skipped step moved the parameter"
@@ -165,25 +165,28 @@ def test_triton_kernel_matches_the_reference_under_the_interpreter():
     assert res.returncode == 0 and "TRITON_INTERPRET_OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
 
-def test_8bit_codes_from_the_maps_structure_equal_the_binary_search():
-    """The kernel's gather-free 8-bit codes against its binary search and the reference's searchsorted rule, on
+def test_8bit_codes_found_each_way_equal_the_reference():
+    """The kernel's 8-bit codes, found each way, against the reference's searchsorted rule, on
     every entry and midpoint of both maps (and FP32 neighbours), powers of ten and random magnitudes
     (tests/lowbit_codes.py), in Triton's CPU interpreter."""
     pytest.importorskip("triton")
     res = run_interpreted(os.path.join(ROOT, "tests", "lowbit_codes.py"))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "'signed: direct != binary search': 0" in res.stdout and "'unsigned: probes'" in res.stdout
+    assert "'signed: direct != reference': 0" in res.stdout and "'unsigned: checked != reference': 0" in res.stdout
 
 
 @pytest.mark.parametrize("name", ["AdamW8bit", "AdamWFp8"])
 def test_low_bit_implementation_choice(name):
-    """"fused" builds the project's step, "compiled" torchao's, "auto" the fused one on CPU and torchao's on CUDA
-    (until the kernel is measured there); torch AdamW's implementations are refused for the low-bit ones and
+    """"fused" builds the project's step, "compiled" torchao's, "auto" the fused one on CPU and CUDA (AdamW's
+    "auto" still depends on the device); torch AdamW's implementations are refused for the low-bit ones and
     "compiled" for AdamW, naming the key."""
     from torchtitan_glm.components.optimizer import resolved_implementation
 
-    assert resolved_implementation(OptimizerConfig(name=name), on_cuda=True) == "compiled"
+    assert resolved_implementation(OptimizerConfig(name=name), on_cuda=True) == "fused"
     assert resolved_implementation(OptimizerConfig(name=name), on_cuda=False) == "fused"
+    assert resolved_implementation(OptimizerConfig(name=name, implementation="compiled"), on_cuda=True) == "compiled"
+    assert resolved_implementation(OptimizerConfig(name="AdamW"), on_cuda=True) == "fused"
+    assert resolved_implementation(OptimizerConfig(name="AdamW"), on_cuda=False) == "foreach"
     assert resolved_implementation(OptimizerConfig(name=name, implementation="fused"), on_cuda=True) == "fused"
     model = nn.Linear(64, 64)
     for impl, expect in (("auto", "fused"), ("fused", "fused"), ("compiled", "compiled")):

@@ -8,9 +8,10 @@ it launch gaps (docs/performance.md, ninth session), where one pass at the card'
 bitsandbytes' fused 8-bit kernel takes neither FSDP2's DTensors nor torchao's state layout, which the checkpoints
 store. This kernel reads each parameter, gradient and moment once and writes them once, in place, in torchao's
 layout, so checkpoints are the same whichever implementation wrote them. AdamW8bit's nearest code is computed
-from the map's structure (_direct_code): a binary search over the 256-entry map is 10 gathers per value and
-moment, whose scattered addresses cost the L1 more than the value's own bytes cost DRAM; it remains for the lanes
-the direct form cannot settle.
+from the map's structure and settled among the three map entries around it (_direct_code, _neighbour_code), where
+torchao's binary search over the 256-entry map is 10 dependent gathers per value and moment: on an H200, over the
+proxy's 7.95e9 parameters, 98.5 ms against 108-129 ms with the search and 32-39 ms for AdamWFp8's step, which
+moves the same bytes and searches nothing (docs/performance.md, sixteenth session).
 """
 
 from __future__ import annotations
@@ -24,9 +25,14 @@ from torch import Tensor
 
 from .adamw_lowbit import BLOCK
 
-__all__ = ["adamw_lowbit_kernel_"]
+__all__ = ["CODE_SEARCHES", "adamw_lowbit_kernel_"]
 
-_ROWS = 8  # blocks per program: 2048 values, 8 KiB of FP32 parameter
+# launch shape and code search: the fastest of scripts/bench_optim.py's kernel-alone rows on an H200 (98.5 ms over
+# the proxy's 7.95e9 parameters, against 128.6 ms for the binary search at 8 blocks/4 warps; docs/performance.md,
+# sixteenth session). More values per thread take more registers (241 at 8 blocks/4 warps with "direct").
+_ROWS = 1  # 256-value blocks per program
+_WARPS = 2
+CODE_SEARCHES = ("search", "direct", "checked")  # adamw_lowbit_kernel_'s `codes`, by the kernel's CODES
 
 
 @triton.jit
@@ -71,7 +77,7 @@ def _binary_search_code(y, qmap_ptr, mask):
 
 
 @triton.jit
-def _direct_code(y, qmap_ptr, mask, SIGNED: tl.constexpr):
+def _direct_code(y, qmap_ptr, mask, SIGNED: tl.constexpr, CHECK_ALL: tl.constexpr):
     """The same code computed from the map's structure, with no gathers for all but a few lanes.
 
     torchao's dynamic map (create_dynamic_map, default arguments): decade i = 0..6 holds n = 2^i (signed) or 2^(i+1)
@@ -83,7 +89,8 @@ def _direct_code(y, qmap_ptr, mask, SIGNED: tl.constexpr):
     signed map's negatives mirror the positives at 126 - k (no -1.0: -1 takes the most negative, code 0). Computed
     in FP32 (the GPU's approximate log2/exp2 included) this lands on the right value wherever a is not within 1e-3
     of a spacing (or 1e-5 relative) of a midpoint; the position's rounding error is under 2e-4 spacings. Those few
-    lanes, and NaNs, take the binary search instead, which also settles exact ties as torchao does."""
+    lanes (every lane with CHECK_ALL) are settled by the map's entries around the code (_neighbour_code), which
+    also settles exact ties as torchao does; NaN takes code 0, as the binary search gives it."""
     U: tl.constexpr = 0 if SIGNED else 1
     a = tl.abs(y)
     i = tl.floor(tl.log2(tl.maximum(a, 1e-30)) * 0.30102999566398120) + 7.0  # decade of a
@@ -113,27 +120,45 @@ def _direct_code(y, qmap_ptr, mask, SIGNED: tl.constexpr):
     safe = tl.where(low | high, tl.abs(a - edge) >= 1e-5 * a, safe)
     k = tl.where(a < 1e-7, -1.0, k)  # zero (decade 0 starts at 3.25e-7)
     safe = safe | (a < 1e-7)
-    safe = safe & (a == a)
     if SIGNED:
-        code = tl.where(y < 0.0, 126.0 - tl.minimum(k, 126.0), 128.0 + k).to(tl.int32)
+        code = tl.where(y < 0.0, 126.0 - tl.minimum(k, 126.0), 128.0 + k)
     else:
-        code = (1.0 + k).to(tl.int32)
-    fallback = _binary_search_code(y, qmap_ptr, mask & (safe == 0))
-    return tl.where(safe, code, fallback)
+        code = 1.0 + k
+    code = tl.where(a == a, tl.minimum(tl.maximum(code, 0.0), 255.0), 0.0).to(tl.int32)
+    if CHECK_ALL:
+        return _neighbour_code(y, code, qmap_ptr, mask)
+    else:
+        checked = _neighbour_code(y, code, qmap_ptr, mask & (safe == 0) & (a == a))
+        return tl.where(safe | (a != a), code, checked)
+
+
+@triton.jit
+def _neighbour_code(y, code, qmap_ptr, mask):
+    """torchao's rule (the last entry <= y, or the next one where y is at least halfway to it) among the entries
+    code - 1, code, code + 1: exact wherever the nearest code is within one of `code`, so wherever y lies between
+    entries code - 1 and code + 1. Three independent gathers instead of the binary search's ten dependent ones."""
+    lo, hi = tl.maximum(code - 1, 0), tl.minimum(code + 1, 255)
+    at_lo = tl.load(qmap_ptr + lo, mask=mask, other=0.0)
+    at = tl.load(qmap_ptr + code, mask=mask, other=0.0)
+    at_hi = tl.load(qmap_ptr + hi, mask=mask, other=0.0)
+    above = y >= at
+    down, up = tl.where(above, code, lo), tl.where(above, hi, code)
+    down_val, up_val = tl.where(above, at, at_lo), tl.where(above, at_hi, at)
+    return tl.where(y - down_val >= (up_val - down_val) * 0.5, up, down)
 
 
 @triton.jit
 def _requant(x, codes_ptr, scale_ptr, qmap_ptr, offs, rows, mask, row_mask, FORMAT: tl.constexpr,
-             SIGNED: tl.constexpr, DIRECT: tl.constexpr):
+             SIGNED: tl.constexpr, CODES: tl.constexpr):
     if FORMAT == 0:
         tl.store(codes_ptr + offs, x.to(codes_ptr.dtype.element_ty), mask=mask)
     elif FORMAT == 1:
         scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
         y = x / scale[:, None]
-        if DIRECT:
-            codes = _direct_code(y, qmap_ptr, mask, SIGNED)
-        else:
+        if CODES == 0:
             codes = _binary_search_code(y, qmap_ptr, mask)
+        else:
+            codes = _direct_code(y, qmap_ptr, mask, SIGNED, CODES == 2)
         tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=mask)
         tl.store(scale_ptr + rows, scale, mask=row_mask)
     else:
@@ -146,7 +171,7 @@ def _requant(x, codes_ptr, scale_ptr, qmap_ptr, offs, rows, mask, row_mask, FORM
 def _adamw_kernel(p_ptr, g_ptr, m_ptr, m_scale_ptr, m_qmap_ptr, v_ptr, v_scale_ptr, v_qmap_ptr, step_ptr, skip_ptr,
                   numel, lr, lr_wd, w1, w2, log2_beta1, log2_beta2, eps,
                   LOWER1: tl.constexpr, LOWER2: tl.constexpr, FORMAT: tl.constexpr, HAS_SKIP: tl.constexpr,
-                  DIRECT: tl.constexpr,
+                  CODES: tl.constexpr,
                   ROWS: tl.constexpr, BLOCK: tl.constexpr):
     # FORMAT: ops/adamw_lowbit.py's PLAIN 0, DYNAMIC8 1, FP8 2
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -167,8 +192,8 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, m_scale_ptr, m_qmap_ptr, v_ptr, v_scale_p
     p = p - lr_wd * p
     m = _lerp(m, g, w1, LOWER1)
     v = _lerp(v, g * g, w2, LOWER2)
-    _requant(m, m_ptr, m_scale_ptr, m_qmap_ptr, offs, rows, mask, row_mask, FORMAT, True, DIRECT)  # signed map
-    _requant(v, v_ptr, v_scale_ptr, v_qmap_ptr, offs, rows, mask, row_mask, FORMAT, False, DIRECT)  # unsigned
+    _requant(m, m_ptr, m_scale_ptr, m_qmap_ptr, offs, rows, mask, row_mask, FORMAT, True, CODES)  # signed map
+    _requant(v, v_ptr, v_scale_ptr, v_qmap_ptr, offs, rows, mask, row_mask, FORMAT, False, CODES)  # unsigned
     denom = tl.sqrt(v) / bc2_sqrt + eps
     p = p - lr * (m / bc1) / denom
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
@@ -177,21 +202,24 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, m_scale_ptr, m_qmap_ptr, v_ptr, v_scale_p
 def adamw_lowbit_kernel_(p: Tensor, grad: Tensor, m_codes: Tensor, m_scale: Tensor, m_qmap: Tensor, v_codes: Tensor,
                          v_scale: Tensor, v_qmap: Tensor, step: Tensor, found_inf: Tensor | None, *, fmt: int,
                          lr: float, lr_wd: float, beta1: float, beta2: float, eps: float,
-                         direct_codes: bool = True) -> None:
+                         codes: str = "checked", rows: int = _ROWS, num_warps: int = _WARPS):
     """ops/adamw_lowbit.py's step on CUDA (its arguments, checked there; AdamW8bit's exp_avg on the signed map,
     exp_avg_sq on the unsigned one, as torchao makes them); a format's unused tensors are empty. The bias
     corrections 1 - beta^step come from the device's step count as exp2(step * log2(beta)) (within an FP32 ulp or
-    two of torchao's host-side pow). direct_codes=False finds every 8-bit code by the binary search (the same codes;
-    for timing the two)."""
+    two of torchao's host-side pow). `codes` picks how AdamW8bit's codes are found, all to the same codes (timed
+    against each other by scripts/bench_optim.py): "direct" from the map's structure, checked against the map
+    where that is uncertain; "checked": checked on every lane; "search": the binary search. rows (256-value
+    blocks per program) and num_warps: the launch shape, for the same timing. Returns Triton's compiled kernel
+    (its n_regs and n_spills are in the benchmark's table)."""
     numel = p.numel()
     w1, w2 = 1.0 - beta1, 1.0 - beta2
     # a format's missing scale or map: the codes stand in (the kernel never reads them; Triton wants a pointer)
     m_scale, m_qmap = (t if t.numel() else m_codes for t in (m_scale, m_qmap))
     v_scale, v_qmap = (t if t.numel() else v_codes for t in (v_scale, v_qmap))
     log2_b1, log2_b2 = (math.log2(b) if b > 0 else -math.inf for b in (beta1, beta2))
-    grid = (triton.cdiv(numel, _ROWS * BLOCK),)
-    _adamw_kernel[grid](p, grad, m_codes, m_scale, m_qmap, v_codes, v_scale, v_qmap, step,
+    grid = (triton.cdiv(numel, rows * BLOCK),)
+    return _adamw_kernel[grid](p, grad, m_codes, m_scale, m_qmap, v_codes, v_scale, v_qmap, step,
                         step if found_inf is None else found_inf, numel, lr, lr_wd, w1, w2, log2_b1, log2_b2, eps,
                         LOWER1=abs(w1) < 0.5, LOWER2=abs(w2) < 0.5, FORMAT=fmt, HAS_SKIP=found_inf is not None,
-                        DIRECT=direct_codes,
-                        ROWS=_ROWS, BLOCK=BLOCK, num_warps=4)
+                        CODES=CODE_SEARCHES.index(codes),
+                        ROWS=rows, BLOCK=BLOCK, num_warps=num_warps)
