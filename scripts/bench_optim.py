@@ -46,7 +46,8 @@ def model_shapes(config: str, overrides: list[str]) -> list[torch.Size]:
     return [p.shape for p in model.parameters() if p.requires_grad]
 
 
-def run(name: str, impl: str, shapes: list[torch.Size], *, steps: int, warmup: int) -> list[dict]:
+def run(name: str, impl: str, shapes: list[torch.Size], *, steps: int, warmup: int,
+        kernel_rows: list[tuple[str, int, int]]) -> list[dict]:
     from torchtitan_glm.components.optimizer import build_optimizer
     from torchtitan_glm.config import OptimizerConfig
 
@@ -65,17 +66,14 @@ def run(name: str, impl: str, shapes: list[torch.Size], *, steps: int, warmup: i
 
     rows = [row(f"{name}:{getattr(opt, 'implementation', impl)}", median_ms(opt.step, steps=steps, warmup=warmup))]
     if name == "AdamW8bit" and opt.implementation == "fused":
-        from torchtitan_glm.ops.adamw_lowbit_triton import CODE_SEARCHES
-
-        # the kernel alone over the states the steps made, its 8-bit codes found each way
-        # and launch shape (256-value blocks per program, warps)
-        for how in CODE_SEARCHES:
-            for r, w in _SHAPES:
-                run = _kernels(opt, how, rows=r, num_warps=w)
-                ms = median_ms(run, steps=steps, warmup=1)
-                k = run()
-                rows.append(row(f"{name} kernel alone, codes {how}, {r} blocks/{w} warps, {k.n_regs} registers, "
-                                f"{k.n_spills} spills", ms))
+        # the kernel alone over the states the steps made, its 8-bit codes found each way and launch shape
+        # (256-value blocks per program, warps)
+        for how, r, w in kernel_rows:
+            run = _kernels(opt, how, rows=r, num_warps=w)
+            ms = median_ms(run, steps=steps, warmup=1)
+            k = run()
+            rows.append(row(f"{name} kernel alone, codes {how}, {r} blocks/{w} warps, {k.n_regs} registers, "
+                            f"{k.n_spills} spills", ms))
     del opt, holder
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -115,6 +113,10 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--kernel-rows", default="all",
+                   help="AdamW8bit:fused's kernel-alone rows: comma-separated codes:blocks x warps (e.g. "
+                        "checked:1x2,search:8x4), 'all' (every code search at each of "
+                        + " ".join(f"{r}x{w}" for r, w in _SHAPES) + ") or 'none'")
     a, overrides = p.parse_known_args()  # the rest: config overrides, e.g. --training.seq_len 8192
     if not torch.cuda.is_available():
         print("bench_optim.py times CUDA kernels: needs CUDA", file=sys.stderr)
@@ -123,6 +125,22 @@ def main() -> int:
         print("--steps and --warmup must be >= 1 (the first step creates the states)", file=sys.stderr)
         return 2
     from torchtitan_glm.config import ConfigError, OptimizerConfig
+    from torchtitan_glm.ops.adamw_lowbit_triton import CODE_SEARCHES
+
+    if a.kernel_rows == "all":
+        kernel_rows = [(how, r, w) for how in CODE_SEARCHES for r, w in _SHAPES]
+    elif a.kernel_rows == "none":
+        kernel_rows = []
+    else:
+        kernel_rows = []
+        for item in a.kernel_rows.split(","):
+            how, _, shape = item.partition(":")
+            r, _, w = shape.partition("x")
+            if how not in CODE_SEARCHES or not (r.isdigit() and w.isdigit()) or int(r) < 1 or int(w) < 1:
+                print(f"--kernel-rows {item!r}: want codes:blocks x warps, codes one of {CODE_SEARCHES}",
+                      file=sys.stderr)
+                return 2
+            kernel_rows.append((how, int(r), int(w)))
 
     choices = []
     for item in a.optimizers.split(","):
@@ -145,7 +163,7 @@ def main() -> int:
         return 2
     rows = []
     for name, impl in choices:
-        for row in run(name, impl, shapes, steps=a.steps, warmup=a.warmup):
+        for row in run(name, impl, shapes, steps=a.steps, warmup=a.warmup, kernel_rows=kernel_rows):
             rows.append(row)
             print(json.dumps(row), flush=True)
     print_table(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {a.config}: {len(shapes)} tensors, "

@@ -55,11 +55,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memory_peak import print_breakdown, recording  # scripts/, beside this file
 from torchtitan_glm.activation_checkpoint import RECOMPUTE_MODULES, apply_activation_checkpointing
 from torchtitan_glm.compile import apply_compile
 from torchtitan_glm.components.cuda_alloc import default_alloc_conf
 from torchtitan_glm.components.loss import indexer_kl_loss
+from torchtitan_glm.components.memory_peak import print_breakdown, recording
 from torchtitan_glm.components.metrics import flops_per_token
 from torchtitan_glm.config import Float8Config
 from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8
@@ -403,7 +403,7 @@ def main() -> None:
                    help="one more step per run under torch.profiler: its CUDA kernels (on CPU its ops) by total time")
     p.add_argument("--memory-profile", action="store_true",
                    help="CUDA only: record CUDA allocations and print what is alive at each run's peak (or "
-                        "out-of-memory) by the source line that allocated it (scripts/memory_peak.py); timings "
+                        "out-of-memory) by the source line that allocated it (components/memory_peak.py); timings "
                         "include the recorder")
     p.add_argument("--out", default="")
     a = p.parse_args()

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from torchtitan_glm.ops.adamw_lowbit_triton import CODE_SEARCHES, _binary_search_code, _direct_code
+from torchtitan_glm.ops.adamw_lowbit_triton import (CODE_SEARCHES, _approx_code, _binary_search_code, _direct_code,
+                                                    _neighbour_code)
 
 
 @triton.jit
@@ -22,8 +23,10 @@ def _codes_kernel(y_ptr, out_ptr, qmap_ptr, n, SIGNED: tl.constexpr, CODES: tl.c
     y = tl.load(y_ptr + offs, mask=mask, other=0.0)
     if CODES == 0:
         c = _binary_search_code(y, qmap_ptr, mask)
+    elif CODES == 1:
+        c = _direct_code(y, qmap_ptr, mask, SIGNED)
     else:
-        c = _direct_code(y, qmap_ptr, mask, SIGNED, CODES == 2)
+        c = _neighbour_code(y, _approx_code(y, SIGNED), qmap_ptr, mask)
     tl.store(out_ptr + offs, c, mask=mask)
 
 

@@ -647,7 +647,11 @@ class ProfilingConfig(_Section):
 
     enable: profile; start_step: the first profiled step (the steps before it warm up: compile, autotuning);
     steps: how many steps; trace_folder: under job.dump_folder, one Chrome trace per rank plus rank 0's table of the
-    busiest kernels (ops.txt); row_limit: rows of that table.
+    busiest kernels (ops.txt); row_limit: rows of that table. memory: record CUDA allocations with their Python
+    stacks over the same window (with or without `enable`), and at its end (or at an out-of-memory inside it) write
+    each rank's snapshot (memory_rank<r>_steps<a>-<b>.pickle, for pytorch.org/memory_viz) and rank 0's table of
+    what was alive at the window's allocated peak by the source line that allocated it (memory.txt); CUDA only.
+    start_step = 1 takes in the first step, where compile's peak is.
     """
 
     SECTION: ClassVar[str] = "profiling"
@@ -656,6 +660,7 @@ class ProfilingConfig(_Section):
     steps: int = 2
     trace_folder: str = "profile_trace"
     row_limit: int = 30
+    memory: bool = False
 
     def validate(self) -> None:
         self._require(self.start_step >= 1, "start_step", "must be >= 1")
@@ -728,7 +733,7 @@ class JobConfig:
                               "loss.mtp_weight = 0 trains without the MTP layer (the trainer drops it): set "
                               "loss.mtp_weight > 0, or leave model.num_nextn_predict_layers out")
         prof = self.profiling
-        if prof.enable and prof.start_step + prof.steps - 1 > tr.steps:
+        if (prof.enable or prof.memory) and prof.start_step + prof.steps - 1 > tr.steps:
             raise ConfigError("profiling.start_step",
                               f"steps {prof.start_step}..{prof.start_step + prof.steps - 1} (profiling.steps="
                               f"{prof.steps}) end after training.steps={tr.steps}")

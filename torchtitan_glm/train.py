@@ -120,13 +120,17 @@ def init_distributed(*, cpu_backend: bool = False) -> tuple[int, int, torch.devi
 
 def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
     """The parallel layout checked against WORLD_SIZE (torchrun sets it before Python starts) and the model args,
-    and on a GPU host the pinned memory of activation_checkpoint.offload_inputs against the host's: ConfigErrors
+    profiling.memory against the host (CUDA only), and on a GPU host the pinned memory of
+    activation_checkpoint.offload_inputs against the host's: ConfigErrors
     naming the keys, raised before any process group starts (main() runs it first: exit 2)."""
     try:
         dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size_from_env())
         args = build_model_args(cfg)
         validate_model_layout(dims, args, seq_len=cfg.training.seq_len, expert_fsdp=cfg.parallelism.expert_fsdp)
         cfg.training.accumulation_steps(dims.dp)
+        if cfg.profiling.memory and not torch.cuda.is_available():
+            raise ConfigError("profiling.memory", "records CUDA allocations (torch.cuda.memory) and this host has "
+                              "no CUDA device; use profiling.enable for the operator profile")
         if torch.cuda.is_available():
             check_offload_host_memory(cfg, args, cp=dims.cp,
                                       local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),

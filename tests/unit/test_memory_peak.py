@@ -1,15 +1,8 @@
-"""scripts/memory_peak.py: the live blocks at a trace's peak (or out-of-memory), summed by the allocating line."""
+"""components/memory_peak.py: the live blocks at a trace's peak (or out-of-memory), summed by the allocating line."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-_SPEC = importlib.util.spec_from_file_location(
-    "memory_peak", Path(__file__).resolve().parents[2] / "scripts" / "memory_peak.py")
-_MODULE = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(_MODULE)
-live_at_peak = _MODULE.live_at_peak
+from torchtitan_glm.components.memory_peak import breakdown, live_at_peak
 
 
 def _frames(name: str, line: int) -> list[dict]:

@@ -23,10 +23,7 @@ def _plan(fig: dict):
     return plan(Request(argv, 1, H200, fig["scope"]))
 
 
-# A row with "memory_gap" is a measured peak the planner misses, saying how: strictly expected to fail, so the row
-# has to go once the planner meets it.
-@pytest.mark.parametrize("fig", [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=f["memory_gap"]))
-                                 if "memory_gap" in f else f for f in CURRENT], ids=lambda f: f["name"])
+@pytest.mark.parametrize("fig", CURRENT, ids=lambda f: f["name"])
 def test_peak_memory_within_10_percent_of_measured(fig):
     p = _plan(fig)
     planned = (p.memory.peak if fig["stat"] == "allocated" else p.memory.reserved) / GIB

@@ -117,3 +117,93 @@ def test_a_resumed_run_past_the_window_is_told_so(tmp_path):
     assert "profiling.start_step=10" in prof.missed(11)
     off = StepProfiler(cfg=ProfilingConfig(), dump_folder=str(tmp_path), rank=0, device=cpu)
     assert off.missed(50) is None
+
+
+def test_memory_recording_off_cuda_names_the_key(tmp_path):
+    """profiling.memory records CUDA allocations: on a host without CUDA train.py stops before starting (exit 2),
+    naming the key; its window is checked against the run like enable's."""
+    from torchtitan_glm.train import check_layout
+
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for hosts without CUDA")
+    with pytest.raises(ConfigError, match=r"profiling\.memory.*no CUDA device"):
+        check_layout(_cfg(tmp_path, "--profiling.memory", "true", "--profiling.start_step", "1"))
+    with pytest.raises(ConfigError, match=r"profiling\.start_step"):
+        _cfg(tmp_path, "--training.steps", "4", "--profiling.memory", "true", "--profiling.start_step", "4",
+             "--profiling.steps", "2")
+
+
+class _FakeCudaMemory:
+    """torch.cuda's memory history on a host without CUDA: a fixed trace, so that the window's bookkeeping (when
+    recording starts and stops, what is written where, the out-of-memory path, no file overwritten) is checked on
+    CPU; the recording itself runs in tests/gpu/test_profiling_cuda.py."""
+
+    def __init__(self, trace):
+        self.trace, self.calls = trace, []
+
+    def install(self, monkeypatch):
+        cuda, mem = torch.cuda, torch.cuda.memory
+        monkeypatch.setattr(mem, "_record_memory_history", lambda enabled="all", **kw: self.calls.append(enabled))
+        monkeypatch.setattr(mem, "_snapshot", lambda: {"device_traces": [list(self.trace)], "segments": []})
+        for name, value in (("memory_allocated", 3 * 2**30), ("max_memory_allocated", 5 * 2**30),
+                            ("max_memory_reserved", 6 * 2**30)):
+            monkeypatch.setattr(cuda, name, lambda device=None, v=value: v)
+        monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+
+
+def _trace():
+    frames = [{"filename": "/r/torchtitan_glm/models/glm5/moe.py", "line": 7, "name": "forward"}]
+    return [{"action": "alloc", "addr": 1, "size": 2**30, "frames": frames},
+            {"action": "alloc", "addr": 2, "size": 2**29, "frames": frames},
+            {"action": "free_completed", "addr": 1, "size": 2**30, "frames": []}]
+
+
+def test_memory_window_writes_snapshot_and_table_and_keeps_earlier_ones(tmp_path, monkeypatch, capsys):
+    import pickle
+
+    from torchtitan_glm.components.profiling import StepProfiler
+    from torchtitan_glm.config import ProfilingConfig
+
+    fake = _FakeCudaMemory(_trace())
+    fake.install(monkeypatch)
+    cfg = ProfilingConfig(memory=True, start_step=2, steps=2)
+    for run in (1, 2):
+        with StepProfiler(cfg=cfg, dump_folder=str(tmp_path), rank=0, device=torch.device("cuda")) as prof:
+            for step in (1, 2, 3, 4):
+                prof.begin(step)
+                assert prof.end(step) == (step == 3)
+    assert fake.calls == ["all", None, "all", None]  # on at the window's first step, off after its last, twice
+    folder = tmp_path / "profile_trace"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "memory.run2.txt", "memory.txt", "memory_rank0_steps2-3.pickle", "memory_rank0_steps2-3.run2.pickle"]
+    assert pickle.loads((folder / "memory_rank0_steps2-3.pickle").read_bytes())["device_traces"][0] == _trace()
+    table = (folder / "memory.txt").read_text()
+    assert "allocated before the window (not in the table) 3.00 GiB" in table and "reserved 6.00 GiB" in table
+    assert "1.50 GiB traced" in table and "| 1.500 | 2 | torchtitan_glm/models/glm5/moe.py:7 forward |" in table
+    assert "memory: steps 2-3" in capsys.readouterr().out
+
+
+def test_an_out_of_memory_inside_the_window_writes_its_snapshot(tmp_path, monkeypatch):
+    from torchtitan_glm.components.profiling import StepProfiler
+    from torchtitan_glm.config import ProfilingConfig
+
+    oom = {"action": "oom", "addr": 0, "size": 2**32, "frames": []}
+    fake = _FakeCudaMemory(_trace() + [oom])
+    fake.install(monkeypatch)
+    with pytest.raises(torch.OutOfMemoryError):
+        with StepProfiler(cfg=ProfilingConfig(memory=True, start_step=1, steps=3), dump_folder=str(tmp_path),
+                          rank=0, device=torch.device("cuda")) as prof:
+            prof.begin(1)
+            raise torch.OutOfMemoryError("CUDA out of memory")
+    assert fake.calls == ["all", None]
+    table = (tmp_path / "profile_trace" / "memory.txt").read_text()
+    assert (tmp_path / "profile_trace" / "memory_rank0_oom.pickle").exists()
+    assert "memory: an out-of-memory" in table and "| 4.000 | 1 | (the failed request) |" in table
+    # another error inside the window stops the recording and writes nothing
+    fake.calls.clear()
+    with pytest.raises(RuntimeError):
+        with StepProfiler(cfg=ProfilingConfig(memory=True, start_step=1, steps=3), dump_folder=str(tmp_path / "b"),
+                          rank=0, device=torch.device("cuda")) as prof:
+            prof.begin(1)
+            raise RuntimeError("a data error")
+    assert fake.calls == ["all", None] and not (tmp_path / "b").exists()

@@ -7,19 +7,26 @@ throughput window after it. Output under
 job.dump_folder/trace_folder: one Chrome trace per rank (rank<r>_steps<a>-<b>.json.gz, for chrome://tracing or
 Perfetto) and, on rank 0, ops.txt, the table of operators and kernels sorted by their own device time (host time
 on CPU), headed by the window's wall time and device busy time per step (device_busy_us). A host-bound step
-shows as busy time well below wall time. Nothing is overwritten: a run that profiles into a folder already holding
-these files (a re-run, a resume) writes rank<r>_steps<a>-<b>.run<n>.json.gz and ops.run<n>.txt, n = 2, 3, ...
+shows as busy time well below wall time. With `memory` the window also records CUDA allocations (torch's memory
+history, Python stacks): each rank's snapshot memory_rank<r>_steps<a>-<b>.pickle (pytorch.org/memory_viz) and rank
+0's memory.txt, what was alive at the window's allocated peak by allocating source line (components/memory_peak.py).
+An out-of-memory inside the window writes them too (memory_rank<r>_oom.pickle), the failed request counted in the
+peak: that is when the breakdown is wanted most. Nothing is overwritten: a run that profiles into a folder already
+holding these files (a re-run, a resume) writes rank<r>_steps<a>-<b>.run<n>.json.gz, ops.run<n>.txt (and so on),
+n = 2, 3, ...
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import time
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from torchtitan_glm.components.memory_peak import breakdown
 from torchtitan_glm.config import ProfilingConfig
 
 __all__ = ["StepProfiler", "device_busy_us"]
@@ -50,12 +57,15 @@ class StepProfiler:
         self.first, self.last = cfg.start_step, cfg.start_step + cfg.steps - 1
         self.folder = os.path.join(dump_folder, cfg.trace_folder)
         self._prof: profile | None = None
+        self._recording = False  # CUDA memory history on (cfg.memory, inside the window)
+        self._before = 0  # bytes allocated when the recording began (not in its trace)
         self._t0 = 0.0
         self.summary: str | None = None  # the header line of the last window written
+        self.memory_summary: str | None = None  # the same for the last memory table written
 
     def missed(self, first_step: int) -> str | None:
         """A warning when a run that starts (or resumes) at first_step cannot reach the whole window, else None."""
-        if self.cfg.enable and first_step > self.first:
+        if (self.cfg.enable or self.cfg.memory) and first_step > self.first:
             return (f"profiling: the run starts at step {first_step}, after profiling.start_step={self.first}: "
                     f"nothing is profiled")
         return None
@@ -63,45 +73,84 @@ class StepProfiler:
     def __enter__(self) -> "StepProfiler":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         if self._prof is not None:
             self._prof.__exit__(None, None, None)
             self._prof = None
+        if self._recording:
+            if isinstance(exc, torch.OutOfMemoryError):
+                self._write_memory("oom")
+            else:
+                self._stop_recording()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def begin(self, step: int) -> None:
-        if not self.cfg.enable or step != self.first:
+        if step != self.first or not (self.cfg.enable or self.cfg.memory):
             return
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         self._sync()
-        self._prof = profile(activities=activities)
-        self._prof.__enter__()
+        if self.cfg.memory:  # CUDA only: train.py's check_layout refuses it elsewhere, naming the key
+            self._before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.memory._record_memory_history(context="all", stacks="python", max_entries=2_000_000)
+            self._recording = True
+        if self.cfg.enable:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self._prof = profile(activities=activities)
+            self._prof.__enter__()
         self._t0 = time.perf_counter()
 
-    def _free_names(self) -> tuple[str, str]:
-        """This rank's trace path and the ops table's, with the first suffix ('', '.run2', ...) under which neither
-        exists yet: an earlier run's files in the folder are kept."""
+    def _free_names(self, rank_name: str, rank0_name: str) -> tuple[str, str]:
+        """This rank's file and rank 0's table under the folder, with the first suffix ('', '.run2', ...) before
+        the extension under which neither exists yet: an earlier run's files in the folder are kept."""
         for n in range(1, 10_000):
             sfx = "" if n == 1 else f".run{n}"
-            trace = os.path.join(self.folder, f"rank{self.rank}_steps{self.first}-{self.last}{sfx}.json.gz")
-            ops = os.path.join(self.folder, f"ops{sfx}.txt")
-            if not os.path.exists(trace) and (self.rank != 0 or not os.path.exists(ops)):
-                return trace, ops
-        raise FileExistsError(f"{self.folder} holds 10,000 profiles of steps {self.first}-{self.last}")
+            mine, table = (os.path.join(self.folder, sfx.join(_split_ext(name))) for name in (rank_name, rank0_name))
+            if not os.path.exists(mine) and (self.rank != 0 or not os.path.exists(table)):
+                return mine, table
+        raise FileExistsError(f"{self.folder} holds 10,000 files named like {rank_name}")
+
+    def _stop_recording(self) -> None:
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self._recording = False
+
+    def _write_memory(self, tag: str) -> None:
+        """The recorded snapshot to this rank's pickle, and on rank 0 the live-at-peak table; recording stops."""
+        snapshot = torch.cuda.memory._snapshot()
+        self._stop_recording()
+        os.makedirs(self.folder, exist_ok=True)
+        path, table = self._free_names(f"memory_rank{self.rank}_{tag}.pickle", "memory.txt")
+        with open(path, "wb") as f:
+            pickle.dump(snapshot, f)
+        if self.rank != 0:
+            return
+        gib = 2**30
+        window = "an out-of-memory" if tag == "oom" else f"steps {self.first}-{self.last}"
+        self.memory_summary = (
+            f"memory: {window}; allocated before the window (not in the table) {self._before / gib:.2f} GiB; "
+            f"the run's peaks so far: allocated {torch.cuda.max_memory_allocated(self.device) / gib:.2f} GiB, "
+            f"reserved {torch.cuda.max_memory_reserved(self.device) / gib:.2f} GiB; snapshots and "
+            f"{os.path.basename(table)} in {self.folder}")
+        with open(table, "w") as f:
+            f.write(self.memory_summary + "\n\n" + breakdown(snapshot, title=window) + "\n")
+        print(self.memory_summary, flush=True)
 
     def end(self, step: int) -> bool:
         """Close the window after its last step: True when it did (the caller restarts its throughput window)."""
-        if self._prof is None or step != self.last:
+        if step != self.last or (self._prof is None and not self._recording):
             return False
         self._sync()
         wall_ms = (time.perf_counter() - self._t0) * 1e3 / self.cfg.steps
         prof, self._prof = self._prof, None
-        prof.__exit__(None, None, None)
+        if prof is not None:  # stopped first: writing the memory snapshot is not part of the profile
+            prof.__exit__(None, None, None)
+        if self._recording:
+            self._write_memory(f"steps{self.first}-{self.last}")
+        if prof is None:
+            return True
         os.makedirs(self.folder, exist_ok=True)
-        trace, ops = self._free_names()
+        trace, ops = self._free_names(f"rank{self.rank}_steps{self.first}-{self.last}.json.gz", "ops.txt")
         prof.export_chrome_trace(trace)
         if self.rank != 0:
             return True
@@ -116,3 +165,9 @@ class StepProfiler:
             f.write(self.summary + "\n\n" + table + "\n")
         print(self.summary, flush=True)
         return True
+
+
+def _split_ext(name: str) -> tuple[str, str]:
+    """('rank0_steps1-2', '.json.gz') for 'rank0_steps1-2.json.gz': the run suffix goes between."""
+    stem, dot, ext = name.partition(".")
+    return stem, dot + ext

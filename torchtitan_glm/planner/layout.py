@@ -55,6 +55,12 @@ class Layout:
         return self.dp_shard * self.cp
 
     @property
+    def reduce_deferred(self) -> bool:
+        """Whether gradient accumulation reduces FSDP2's gradients once per step (distributed/grad_accumulation.py):
+        no parameter split over ranks."""
+        return self.dp_shard * self.cp == 1 and self.tp == 1 and self.ep == 1
+
+    @property
     def edp(self) -> int:
         """The dp_shard x cp ranks of one replica that hold the same experts."""
         return self.fsdp // self.ep

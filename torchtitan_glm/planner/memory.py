@@ -90,7 +90,9 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
 
     Under gradient accumulation (`setup.accumulated`) the walk is of a microbatch after the first: every gradient the
     step accumulates is live from its start (FP32: sharded, or, where gradient_accumulation.py defers FSDP2's reduce,
-    unsharded in the reduce dtype, the same bytes on one rank), and each unit's reduce adds into it."""
+    unsharded in the reduce dtype, the same bytes on one rank), and each unit's reduce adds into it. A deferred
+    reduce keeps both in the reserve: the unsharded gradients in the compute stream's pool, the sharded ones (freed
+    by zero_grad) in the reduce-scatter stream's."""
     if setup.scope not in SCOPES:
         raise ValueError(f"unknown scope {setup.scope!r}; choose from {SCOPES}")
     args, a = inv.args, ctx.act
@@ -107,7 +109,9 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
         w.cached = (state.grads - state.replicated_grads) + 2 * gathered_max
         if setup.accumulated:
             w.live["gradients"] = state.grads
-            w.cached = 2 * gathered_max
+            # a deferred reduce accumulates the unsharded gradients on the compute stream and writes the sharded
+            # ones on the reduce-scatter stream, once per step: the previous step's stay cached in that pool
+            w.cached = 2 * gathered_max + ((state.grads - state.replicated_grads) if layout.reduce_deferred else 0)
     else:
         w.live["parameters"] = sum(p.numel for p in inv.params) * a + inv.buffer_bytes
 

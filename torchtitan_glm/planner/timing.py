@@ -62,16 +62,11 @@ def fsdp_copy_seconds(inv: ModelInventory, layout: Layout, gpu: GpuSpec, *, with
     units = [u for u in inv.units if with_mtp or u.kind != "mtp"]
     hold = micro > 1 and not any(u.reshard_after_forward for u in inv.units)
     gathers = 1 if hold else micro
-    reduces = 1 if reduce_deferred(layout) else micro
+    reduces = 1 if layout.reduce_deferred else micro
     gathered = sum(unit_bytes(u, layout, dtype_bytes=1, sharded=False) * (1 + int(u.reshard_after_forward))
                    for u in units)
     reduced = sum(trainable_unit_bytes(u, layout, dtype_bytes=1) for u in units)
     return gathers * gathered * gpu.fsdp_gather_copy_s_per_elem + reduces * reduced * gpu.fsdp_reduce_copy_s_per_elem
-
-
-def reduce_deferred(layout: Layout) -> bool:
-    """Whether gradient accumulation reduces FSDP2's gradients once per step: no parameter split over ranks."""
-    return layout.dp_shard * layout.cp == 1 and layout.tp == 1 and layout.ep == 1
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """What is alive at a CUDA memory peak (or at an out-of-memory), grouped by the project's source line that
-allocated it: the breakdown behind benchmark.py's `--memory-profile`.
+allocated it: the breakdown behind scripts/benchmark.py's `--memory-profile` and train.py's `[profiling] memory`.
 
 torch's recorder (`torch.cuda.memory._record_memory_history`) keeps every allocation and free with its Python
 stack; `live_at_peak` replays that trace, finds the moment the allocated bytes were highest (an `oom` event counts
@@ -80,12 +80,17 @@ def recording(enabled: bool, *, max_entries: int = 2_000_000):
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
-def print_breakdown(snapshot: dict, *, title: str, top: int = 30) -> None:
+def breakdown(snapshot: dict, *, title: str, top: int = 30) -> str:
+    """live_at_peak as a markdown table under a one-line heading, the `top` largest sources and the rest."""
     peak, rows = live_at_peak(snapshot)
-    print(f"memory at the peak of {title}: {peak / 2**30:.2f} GiB traced", flush=True)
-    print("| GiB | blocks | allocated at |\n|---|---|---|")
-    for b, n, k in rows[:top]:
-        print(f"| {b / 2**30:.3f} | {n} | {k} |")
+    lines = [f"memory at the peak of {title}: {peak / 2**30:.2f} GiB traced", "| GiB | blocks | allocated at |",
+             "|---|---|---|"]
+    lines += [f"| {b / 2**30:.3f} | {n} | {k} |" for b, n, k in rows[:top]]
     rest = sum(b for b, _, _ in rows[top:])
     if rest:
-        print(f"| {rest / 2**30:.3f} | {sum(n for _, n, _ in rows[top:])} | (the rest) |", flush=True)
+        lines.append(f"| {rest / 2**30:.3f} | {sum(n for _, n, _ in rows[top:])} | (the rest) |")
+    return "\n".join(lines)
+
+
+def print_breakdown(snapshot: dict, *, title: str, top: int = 30) -> None:
+    print(breakdown(snapshot, title=title, top=top), flush=True)
