@@ -23,15 +23,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .adamw_lowbit import BLOCK
+from .adamw_lowbit import BLOCK, DYNAMIC8
 
 __all__ = ["CODE_SEARCHES", "adamw_lowbit_kernel_"]
 
-# launch shape and code search: the fastest of scripts/bench_optim.py's kernel-alone rows on an H200 (98.5 ms over
-# the proxy's 7.95e9 parameters, against 128.6 ms for the binary search at 8 blocks/4 warps; docs/performance.md,
-# sixteenth session). More values per thread take more registers (241 at 8 blocks/4 warps with "direct").
-_ROWS = 1  # 256-value blocks per program
-_WARPS = 2
+# Launch shapes (256-value blocks per program, warps) by state format, as measured on an H200 over the proxy's
+# 7.95e9 parameters (scripts/bench_optim.py; docs/performance.md, sixteenth session): AdamW8bit's codes at 1/2, the
+# fastest of its kernel-alone rows (98.5 ms, against 128.6 ms for the binary search at 8/4; more values per thread
+# took more registers: 241 at 8/4 with "direct"); the formats with no search at 8/4 (AdamWFp8: 32-39 ms).
+_SHAPE = {DYNAMIC8: (1, 2)}
+_SHAPE_OTHERS = (8, 4)
 CODE_SEARCHES = ("search", "direct", "checked")  # adamw_lowbit_kernel_'s `codes`, by the kernel's CODES
 
 
@@ -222,16 +223,18 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, m_scale_ptr, m_qmap_ptr, v_ptr, v_scale_p
 def adamw_lowbit_kernel_(p: Tensor, grad: Tensor, m_codes: Tensor, m_scale: Tensor, m_qmap: Tensor, v_codes: Tensor,
                          v_scale: Tensor, v_qmap: Tensor, step: Tensor, found_inf: Tensor | None, *, fmt: int,
                          lr: float, lr_wd: float, beta1: float, beta2: float, eps: float,
-                         codes: str = "checked", rows: int = _ROWS, num_warps: int = _WARPS):
+                         codes: str = "checked", rows: int | None = None, num_warps: int | None = None):
     """ops/adamw_lowbit.py's step on CUDA (its arguments, checked there; AdamW8bit's exp_avg on the signed map,
     exp_avg_sq on the unsigned one, as torchao makes them); a format's unused tensors are empty. The bias
     corrections 1 - beta^step come from the device's step count as exp2(step * log2(beta)) (within an FP32 ulp or
     two of torchao's host-side pow). `codes` picks how AdamW8bit's codes are found, all to the same codes (timed
     against each other by scripts/bench_optim.py): "direct" from the map's structure, checked against the map
     where that is uncertain; "checked": approximately from the map's structure, settled against the map on every
-    lane; "search": the binary search. rows (256-value
-    blocks per program) and num_warps: the launch shape, for the same timing. Returns Triton's compiled kernel
-    (its n_regs and n_spills are in the benchmark's table)."""
+    lane; "search": the binary search. rows (256-value blocks per program) and num_warps: the launch shape (default:
+    the format's measured one), for the same timing. Returns Triton's compiled kernel (its n_regs and n_spills are
+    in the benchmark's table)."""
+    default_rows, default_warps = _SHAPE.get(fmt, _SHAPE_OTHERS)
+    rows, num_warps = rows or default_rows, num_warps or default_warps
     numel = p.numel()
     w1, w2 = 1.0 - beta1, 1.0 - beta2
     # a format's missing scale or map: the codes stand in (the kernel never reads them; Triton wants a pointer)
@@ -240,7 +243,7 @@ def adamw_lowbit_kernel_(p: Tensor, grad: Tensor, m_codes: Tensor, m_scale: Tens
     log2_b1, log2_b2 = (math.log2(b) if b > 0 else -math.inf for b in (beta1, beta2))
     grid = (triton.cdiv(numel, rows * BLOCK),)
     return _adamw_kernel[grid](p, grad, m_codes, m_scale, m_qmap, v_codes, v_scale, v_qmap, step,
-                        step if found_inf is None else found_inf, numel, lr, lr_wd, w1, w2, log2_b1, log2_b2, eps,
-                        LOWER1=abs(w1) < 0.5, LOWER2=abs(w2) < 0.5, FORMAT=fmt, HAS_SKIP=found_inf is not None,
-                        CODES=CODE_SEARCHES.index(codes),
-                        ROWS=rows, BLOCK=BLOCK, num_warps=num_warps)
+                               step if found_inf is None else found_inf, numel, lr, lr_wd, w1, w2, log2_b1, log2_b2,
+                               eps, LOWER1=abs(w1) < 0.5, LOWER2=abs(w2) < 0.5, FORMAT=fmt,
+                               HAS_SKIP=found_inf is not None, CODES=CODE_SEARCHES.index(codes), ROWS=rows,
+                               BLOCK=BLOCK, num_warps=num_warps)

@@ -118,7 +118,7 @@ H200 = GpuSpec(
     # post-backward reduce copies 34.8 ms. The gradient clip (26.1 ms) matches the bytes model (12 B per element).
     # The fused low-bit steps, scripts/bench_optim.py over the same parameters (CUDA events, sixteenth session):
     # AdamW8bit's kernel 98.5 ms (its launch shape and code search as ops/adamw_lowbit_triton.py now has them),
-    # AdamWFp8's step 39.0 ms (at the earlier launch shape). torchao's AdamWFp8 step took 153.4 ms there against
+    # AdamWFp8's step 39.0 ms (31.8 in another call). torchao's AdamWFp8 step took 153.4 ms there against
     # its AdamW8bit's 159.4, so AdamWFp8's compiled step keeps AdamW8bit's train.py rate.
     optimizer_s_per_param={"AdamW8bit compiled": 185.7e-3 / 7.95e9, "AdamW8bit fused": 98.5e-3 / 7.95e9,
                            "AdamWFp8 fused": 39.0e-3 / 7.95e9},
