@@ -29,8 +29,9 @@ __all__ = ["CODE_SEARCHES", "adamw_lowbit_kernel_"]
 
 # Launch shapes (256-value blocks per program, warps) by state format, as measured on an H200 over the proxy's
 # 7.95e9 parameters (scripts/bench_optim.py; docs/performance.md, sixteenth session): AdamW8bit's codes at 1/2, the
-# fastest of its kernel-alone rows (98.5 ms, against 128.6 ms for the binary search at 8/4; more values per thread
-# took more registers: 241 at 8/4 with "direct"); the formats with no search at 8/4 (AdamWFp8: 32-39 ms).
+# fastest of its kernel-alone rows ("checked" 98.5 ms, before _approx_code; the binary search 128.6 ms at 8/4; more
+# values per thread took more registers: 241 at 8/4 with "direct"); the formats with no search at 8/4 (AdamWFp8:
+# 32-39 ms).
 _SHAPE = {DYNAMIC8: (1, 2)}
 _SHAPE_OTHERS = (8, 4)
 CODE_SEARCHES = ("search", "direct", "checked")  # adamw_lowbit_kernel_'s `codes`, by the kernel's CODES
