@@ -17,6 +17,8 @@ import sys
 
 import torch
 
+from torchtitan_glm.components.cuda_alloc import default_alloc_conf
+
 
 def _usage(message: str) -> None:
     print(f"train_capped.py: {message}", file=sys.stderr)
@@ -24,21 +26,27 @@ def _usage(message: str) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) < 3 or sys.argv[1] != "--cap-gib":
+    args = sys.argv[1:]
+    if args and args[0].startswith("--cap-gib="):
+        args = ["--cap-gib", args[0].split("=", 1)[1], *args[1:]]
+    if len(args) < 2 or args[0] != "--cap-gib":
         _usage("usage: scripts/train_capped.py --cap-gib GIB <train.py arguments>")
     try:
-        cap = float(sys.argv[2]) * 2**30
+        cap = float(args[1]) * 2**30
     except ValueError:
-        _usage(f"--cap-gib: not a number: {sys.argv[2]!r}")
+        _usage(f"--cap-gib: not a number: {args[1]!r}")
+    # train.py's allocator setting (expandable segments unless set), before the calls below start CUDA: the
+    # allocator reads it once, and a capped run is only comparable with the trainer's runs under the same one
+    default_alloc_conf()
     if not torch.cuda.is_available():
         _usage("--cap-gib caps CUDA memory: needs CUDA and none is visible")
     device = int(os.environ.get("LOCAL_RANK", 0))
     total = torch.cuda.get_device_properties(device).total_memory
     if not 0 < cap <= total:
-        _usage(f"--cap-gib {sys.argv[2]}: the device has {total / 2**30:.1f} GiB")
+        _usage(f"--cap-gib {args[1]}: the device has {total / 2**30:.1f} GiB")
     torch.cuda.set_per_process_memory_fraction(cap / total, device)
     train = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "train.py")
-    sys.argv = [train] + sys.argv[3:]
+    sys.argv = [train] + args[2:]
     runpy.run_path(train, run_name="__main__")
 
 

@@ -23,10 +23,10 @@ def _codes_kernel(y_ptr, out_ptr, qmap_ptr, n, SIGNED: tl.constexpr, CODES: tl.c
     y = tl.load(y_ptr + offs, mask=mask, other=0.0)
     if CODES == 0:
         c = _binary_search_code(y, qmap_ptr, mask)
-    elif CODES == 1:
-        c = _direct_code(y, qmap_ptr, mask, SIGNED)
-    else:
+    elif CODES == 3:
         c = _neighbour_code(y, _approx_code(y, SIGNED), qmap_ptr, mask)
+    else:
+        c = _direct_code(y, qmap_ptr, mask, SIGNED, CODES == 2)
     tl.store(out_ptr + offs, c, mask=mask)
 
 
@@ -43,7 +43,10 @@ def probes(qmap: torch.Tensor, *, signed: bool) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     near += [torch.rand(20000, generator=g), 10 ** (-9 * torch.rand(20000, generator=g))]
     y = torch.cat(near).clamp(0, 1)
-    y = torch.cat([y, torch.tensor([float("nan")])])
+    # a few FP32 ulps past 1 (x / absmax on a GPU divides approximately) and NaN
+    past = torch.nextafter(torch.tensor([1.0]), torch.tensor([2.0]))
+    past = torch.cat([past, torch.nextafter(past, torch.tensor([2.0]))])
+    y = torch.cat([y, past, torch.tensor([float("nan")])])
     return torch.cat([y, -y]).contiguous() if signed else y.contiguous()
 
 

@@ -190,15 +190,27 @@ def test_an_out_of_memory_inside_the_window_writes_its_snapshot(tmp_path, monkey
     oom = {"action": "oom", "addr": 0, "size": 2**32, "frames": []}
     fake = _FakeCudaMemory(_trace() + [oom])
     fake.install(monkeypatch)
-    with pytest.raises(torch.OutOfMemoryError):
+    with pytest.raises(torch.OutOfMemoryError):  # on rank 1: the failing rank writes its own table
         with StepProfiler(cfg=ProfilingConfig(memory=True, start_step=1, steps=3), dump_folder=str(tmp_path),
-                          rank=0, device=torch.device("cuda")) as prof:
+                          rank=1, device=torch.device("cuda")) as prof:
             prof.begin(1)
             raise torch.OutOfMemoryError("CUDA out of memory")
     assert fake.calls == ["all", None]
-    table = (tmp_path / "profile_trace" / "memory.txt").read_text()
-    assert (tmp_path / "profile_trace" / "memory_rank0_oom.pickle").exists()
-    assert "memory: an out-of-memory" in table and "| 4.000 | 1 | (the failed request) |" in table
+    folder = tmp_path / "profile_trace"
+    assert sorted(p.name for p in folder.iterdir()) == ["memory_rank1_oom.pickle", "memory_rank1_oom.txt"]
+    table = (folder / "memory_rank1_oom.txt").read_text()
+    assert "memory: an out-of-memory on rank 1" in table and "| 4.000 | 1 | (the failed request) |" in table
+    # an error raised from an out-of-memory (a compile error wrapping it) counts as one
+    fake.calls.clear()
+    with pytest.raises(RuntimeError):
+        with StepProfiler(cfg=ProfilingConfig(memory=True, start_step=1, steps=3), dump_folder=str(tmp_path),
+                          rank=1, device=torch.device("cuda")) as prof:
+            prof.begin(1)
+            try:
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            except torch.OutOfMemoryError as e:
+                raise RuntimeError("backend compiler failed") from e
+    assert fake.calls == ["all", None] and (folder / "memory_rank1_oom.run2.txt").exists()
     # another error inside the window stops the recording and writes nothing
     fake.calls.clear()
     with pytest.raises(RuntimeError):

@@ -10,10 +10,11 @@ on CPU), headed by the window's wall time and device busy time per step (device_
 shows as busy time well below wall time. With `memory` the window also records CUDA allocations (torch's memory
 history, Python stacks): each rank's snapshot memory_rank<r>_steps<a>-<b>.pickle (pytorch.org/memory_viz) and rank
 0's memory.txt, what was alive at the window's allocated peak by allocating source line (components/memory_peak.py).
-An out-of-memory inside the window writes them too (memory_rank<r>_oom.pickle), the failed request counted in the
-peak: that is when the breakdown is wanted most. Nothing is overwritten: a run that profiles into a folder already
-holding these files (a re-run, a resume) writes rank<r>_steps<a>-<b>.run<n>.json.gz, ops.run<n>.txt (and so on),
-n = 2, 3, ...
+An out-of-memory inside the window (or an error caused by one) writes them too, on the rank that ran out:
+memory_rank<r>_oom.pickle and memory_rank<r>_oom.txt, the failed request counted in the peak (that is when the
+breakdown is wanted most). Nothing is overwritten: a run that profiles into a folder already holding these files (a
+re-run, a resume) writes all of its window's files with one suffix, rank<r>_steps<a>-<b>.run<n>.json.gz,
+ops.run<n>.txt and so on, n = 2, 3, ...
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class StepProfiler:
         self._prof: profile | None = None
         self._recording = False  # CUDA memory history on (cfg.memory, inside the window)
         self._before = 0  # bytes allocated when the recording began (not in its trace)
+        self._suffix = ""  # the window's run suffix ('', '.run2', ...), chosen when it begins
         self._t0 = 0.0
         self.summary: str | None = None  # the header line of the last window written
         self.memory_summary: str | None = None  # the same for the last memory table written
@@ -78,7 +80,7 @@ class StepProfiler:
             self._prof.__exit__(None, None, None)
             self._prof = None
         if self._recording:
-            if isinstance(exc, torch.OutOfMemoryError):
+            if _out_of_memory(exc):
                 self._write_memory("oom")
             else:
                 self._stop_recording()
@@ -90,6 +92,7 @@ class StepProfiler:
     def begin(self, step: int) -> None:
         if step != self.first or not (self.cfg.enable or self.cfg.memory):
             return
+        self._suffix = self._free_suffix()
         self._sync()
         if self.cfg.memory:  # CUDA only: train.py's check_layout refuses it elsewhere, naming the key
             self._before = torch.cuda.memory_allocated(self.device)
@@ -101,15 +104,25 @@ class StepProfiler:
             self._prof.__enter__()
         self._t0 = time.perf_counter()
 
-    def _free_names(self, rank_name: str, rank0_name: str) -> tuple[str, str]:
-        """This rank's file and rank 0's table under the folder, with the first suffix ('', '.run2', ...) before
-        the extension under which neither exists yet: an earlier run's files in the folder are kept."""
+    def _names(self) -> list[str]:
+        """Every file this rank may write for the window (without the run suffix)."""
+        window = f"steps{self.first}-{self.last}"
+        names = [f"rank{self.rank}_{window}.json.gz", f"memory_rank{self.rank}_{window}.pickle",
+                 f"memory_rank{self.rank}_oom.pickle", f"memory_rank{self.rank}_oom.txt"]
+        return names + (["ops.txt", "memory.txt"] if self.rank == 0 else [])
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.folder, self._suffix.join(_split_ext(name)))
+
+    def _free_suffix(self) -> str:
+        """The first suffix ('', '.run2', ...) before the extension under which none of the window's files exists
+        yet: an earlier run's files in the folder are kept, and one window's files share their suffix."""
         for n in range(1, 10_000):
             sfx = "" if n == 1 else f".run{n}"
-            mine, table = (os.path.join(self.folder, sfx.join(_split_ext(name))) for name in (rank_name, rank0_name))
-            if not os.path.exists(mine) and (self.rank != 0 or not os.path.exists(table)):
-                return mine, table
-        raise FileExistsError(f"{self.folder} holds 10,000 files named like {rank_name}")
+            if not any(os.path.exists(os.path.join(self.folder, sfx.join(_split_ext(name))))
+                       for name in self._names()):
+                return sfx
+        raise FileExistsError(f"{self.folder} holds 10,000 profiles of steps {self.first}-{self.last}")
 
     def _stop_recording(self) -> None:
         torch.cuda.memory._record_memory_history(enabled=None)
@@ -120,13 +133,15 @@ class StepProfiler:
         snapshot = torch.cuda.memory._snapshot()
         self._stop_recording()
         os.makedirs(self.folder, exist_ok=True)
-        path, table = self._free_names(f"memory_rank{self.rank}_{tag}.pickle", "memory.txt")
-        with open(path, "wb") as f:
+        with open(self._path(f"memory_rank{self.rank}_{tag}.pickle"), "wb") as f:
             pickle.dump(snapshot, f)
-        if self.rank != 0:
+        # the window's table is rank 0's; an out-of-memory's is the failing rank's own (rank 0 may be waiting in
+        # a collective and never get here)
+        table = self._path(f"memory_rank{self.rank}_oom.txt" if tag == "oom" else "memory.txt")
+        if tag != "oom" and self.rank != 0:
             return
         gib = 2**30
-        window = "an out-of-memory" if tag == "oom" else f"steps {self.first}-{self.last}"
+        window = f"an out-of-memory on rank {self.rank}" if tag == "oom" else f"steps {self.first}-{self.last}"
         self.memory_summary = (
             f"memory: {window}; allocated before the window (not in the table) {self._before / gib:.2f} GiB; "
             f"the run's peaks so far: allocated {torch.cuda.max_memory_allocated(self.device) / gib:.2f} GiB, "
@@ -150,7 +165,7 @@ class StepProfiler:
         if prof is None:
             return True
         os.makedirs(self.folder, exist_ok=True)
-        trace, ops = self._free_names(f"rank{self.rank}_steps{self.first}-{self.last}.json.gz", "ops.txt")
+        trace, ops = self._path(f"rank{self.rank}_steps{self.first}-{self.last}.json.gz"), self._path("ops.txt")
         prof.export_chrome_trace(trace)
         if self.rank != 0:
             return True
@@ -171,3 +186,14 @@ def _split_ext(name: str) -> tuple[str, str]:
     """('rank0_steps1-2', '.json.gz') for 'rank0_steps1-2.json.gz': the run suffix goes between."""
     stem, dot, ext = name.partition(".")
     return stem, dot + ext
+
+
+def _out_of_memory(exc: BaseException | None) -> bool:
+    """exc is a CUDA out-of-memory, or was raised from one (a compile or autograd error wrapping it)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, torch.OutOfMemoryError):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False

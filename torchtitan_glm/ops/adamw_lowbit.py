@@ -18,9 +18,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["adamw_lowbit_step_", "PLAIN", "DYNAMIC8", "FP8", "BLOCK"]
+__all__ = ["adamw_lowbit_step_", "PLAIN", "DYNAMIC8", "FP8", "BLOCK", "CODE_SEARCHES"]
 
 PLAIN, DYNAMIC8, FP8 = 0, 1, 2
+# how the CUDA kernel finds AdamW8bit's codes (adamw_lowbit_triton.adamw_lowbit_kernel_'s `codes`, by its CODES
+# index); here so that scripts can name them without Triton
+CODE_SEARCHES = ("search", "direct", "checked", "approx")
 BLOCK = 256  # torchao's block for AdamW8bit and AdamWFp8
 _E4M3_MAX = 448.0
 

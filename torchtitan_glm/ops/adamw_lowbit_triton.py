@@ -23,18 +23,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .adamw_lowbit import BLOCK, DYNAMIC8
+from .adamw_lowbit import BLOCK, CODE_SEARCHES, DYNAMIC8
 
 __all__ = ["CODE_SEARCHES", "adamw_lowbit_kernel_"]
 
 # Launch shapes (256-value blocks per program, warps) by state format, as measured on an H200 over the proxy's
 # 7.95e9 parameters (scripts/bench_optim.py; docs/performance.md, sixteenth session): AdamW8bit's codes at 1/2, the
-# fastest of its kernel-alone rows ("checked" 98.5 ms, before _approx_code; the binary search 128.6 ms at 8/4; more
-# values per thread took more registers: 241 at 8/4 with "direct"); the formats with no search at 8/4 (AdamWFp8:
-# 32-39 ms).
+# fastest of its kernel-alone rows ("checked" 98.5 ms; the binary search 128.6 ms at 8/4; more values per thread
+# took more registers: 241 at 8/4 with "direct"); the formats with no search at 8/4 (AdamWFp8: 32-39 ms).
 _SHAPE = {DYNAMIC8: (1, 2)}
 _SHAPE_OTHERS = (8, 4)
-CODE_SEARCHES = ("search", "direct", "checked")  # adamw_lowbit_kernel_'s `codes`, by the kernel's CODES
 
 
 @triton.jit
@@ -79,7 +77,7 @@ def _binary_search_code(y, qmap_ptr, mask):
 
 
 @triton.jit
-def _direct_code(y, qmap_ptr, mask, SIGNED: tl.constexpr):
+def _direct_code(y, qmap_ptr, mask, SIGNED: tl.constexpr, CHECK_ALL: tl.constexpr):
     """The same code computed from the map's structure, with no gathers for all but a few lanes.
 
     torchao's dynamic map (create_dynamic_map, default arguments): decade i = 0..6 holds n = 2^i (signed) or 2^(i+1)
@@ -91,8 +89,8 @@ def _direct_code(y, qmap_ptr, mask, SIGNED: tl.constexpr):
     signed map's negatives mirror the positives at 126 - k (no -1.0: -1 takes the most negative, code 0). Computed
     in FP32 (the GPU's approximate log2/exp2 included) this lands on the right value wherever a is not within 1e-3
     of a spacing (or 1e-5 relative) of a midpoint; the position's rounding error is under 2e-4 spacings. Those few
-    lanes are settled by the map's entries around the code (_neighbour_code), which also settles exact ties as
-    torchao does; NaN takes code 0, as the binary search gives it."""
+    lanes (every lane with CHECK_ALL) are settled by the map's entries around the code (_neighbour_code), which
+    also settles exact ties as torchao does; NaN takes code 0, as the binary search gives it."""
     U: tl.constexpr = 0 if SIGNED else 1
     a = tl.abs(y)
     i = tl.floor(tl.log2(tl.maximum(a, 1e-30)) * 0.30102999566398120) + 7.0  # decade of a
@@ -127,23 +125,26 @@ def _direct_code(y, qmap_ptr, mask, SIGNED: tl.constexpr):
     else:
         code = 1.0 + k
     code = tl.where(a == a, tl.minimum(tl.maximum(code, 0.0), 255.0), 0.0).to(tl.int32)
-    checked = _neighbour_code(y, code, qmap_ptr, mask & (safe == 0) & (a == a))
-    return tl.where(safe | (a != a), code, checked)
+    if CHECK_ALL:
+        return _neighbour_code(y, code, qmap_ptr, mask)
+    else:
+        checked = _neighbour_code(y, code, qmap_ptr, mask & (safe == 0) & (a == a))
+        return tl.where(safe | (a != a), code, checked)
 
 
 @triton.jit
 def _approx_code(y, SIGNED: tl.constexpr):
-    """A code within one of the nearest, for _neighbour_code to settle on every lane: _direct_code's decade and
-    position with none of its edge cases (a position past either end of its decade is clamped to that end, which
+    """A code within one of the nearest, for _neighbour_code to settle on every lane ("approx"): _direct_code's
+    decade and position with none of its edge cases (a position past either end of its decade is clamped to that end, which
     is within one of the right code; the neighbours settle midpoints and ties) and no division. NaN takes 0."""
     U: tl.constexpr = 0 if SIGNED else 1
     a = tl.abs(y)
     i = tl.floor(tl.log2(tl.maximum(a, 1e-30)) * 0.30102999566398120) + 7.0  # decade of a
     i = tl.minimum(tl.maximum(i, 0.0), 6.0)
-    n = tl.exp2(i + U)
+    n = tl.floor(tl.exp2(i + U) + 0.5)  # exactly 2^(i+U), whatever the approximate exp2 gives
     # floor(pos + 1/2), pos = (a / 10^(i-6) - 0.1) / 0.9 n - 1/2
     j = tl.floor((a * tl.exp2((6.0 - i) * 3.3219280948873623) - 0.1) * (n * 1.1111111111111112))
-    k = n - tl.exp2(U * 1.0) + tl.minimum(tl.maximum(j, 0.0), n - 1.0)
+    k = n - (1.0 + U) + tl.minimum(tl.maximum(j, 0.0), n - 1.0)  # 2^U = 1 + U positive values before decade 0
     k = tl.where(a < 1e-7, -1.0, k)  # zero
     if SIGNED:
         code = tl.where(y < 0.0, 126.0 - tl.minimum(k, 126.0), 128.0 + k)
@@ -177,10 +178,10 @@ def _requant(x, codes_ptr, scale_ptr, qmap_ptr, offs, rows, mask, row_mask, FORM
         y = x / scale[:, None]
         if CODES == 0:
             codes = _binary_search_code(y, qmap_ptr, mask)
-        elif CODES == 1:
-            codes = _direct_code(y, qmap_ptr, mask, SIGNED)
-        else:
+        elif CODES == 3:
             codes = _neighbour_code(y, _approx_code(y, SIGNED), qmap_ptr, mask)
+        else:
+            codes = _direct_code(y, qmap_ptr, mask, SIGNED, CODES == 2)
         tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=mask)
         tl.store(scale_ptr + rows, scale, mask=row_mask)
     else:
@@ -230,10 +231,13 @@ def adamw_lowbit_kernel_(p: Tensor, grad: Tensor, m_codes: Tensor, m_scale: Tens
     corrections 1 - beta^step come from the device's step count as exp2(step * log2(beta)) (within an FP32 ulp or
     two of torchao's host-side pow). `codes` picks how AdamW8bit's codes are found, all to the same codes (timed
     against each other by scripts/bench_optim.py): "direct" from the map's structure, checked against the map
-    where that is uncertain; "checked": approximately from the map's structure, settled against the map on every
-    lane; "search": the binary search. rows (256-value blocks per program) and num_warps: the launch shape (default:
+    where that is uncertain; "checked": the same code settled against the map on every lane (the measured default);
+    "approx": a cheaper approximate code settled the same way (not yet timed on a GPU); "search": the binary
+    search. rows (256-value blocks per program) and num_warps: the launch shape (default:
     the format's measured one), for the same timing. Returns Triton's compiled kernel (its n_regs and n_spills are
     in the benchmark's table)."""
+    if codes not in CODE_SEARCHES:
+        raise ValueError(f"codes={codes!r}: one of {CODE_SEARCHES}")
     default_rows, default_warps = _SHAPE.get(fmt, _SHAPE_OTHERS)
     rows, num_warps = rows or default_rows, num_warps or default_warps
     numel = p.numel()

@@ -29,6 +29,11 @@ def plan_text(p: Plan) -> str:
     verdict = "accepts it" if p.verdict.accepted else f"REJECTS it today: {p.verdict.message}"
     budget = MEMORY_BUDGET * r.gpu.memory_bytes
     fit = "fits" if p.fits else "DOES NOT FIT"
+    if not p.fits and m.peak <= budget < m.reserved:
+        # the reserve is cached blocks (other streams' pools): the allocator releases them before it fails
+        fit += (" by its reserve estimate (blocks cached in FSDP2's stream pools); the allocated peak is within "
+                "the budget: it runs while the reserve stays under the card, past it the allocator releases cached "
+                "blocks when an allocation would fail (a cost per step; scripts/train_capped.py measures it)")
     lines = [
         f"plan: {config} on {r.gpus} x {r.gpu.name} (scope {r.scope})",
         f"layout: {p.layout.describe()}; the trainer {verdict}; parallelisation: {p.design}",
