@@ -422,6 +422,11 @@ class ParallelismConfig(_Section):
     and gathers them again for its backward (the final norm + LM head stay gathered: their backward comes next);
     "always" frees the head's too; "never" keeps every unit gathered from its forward to its backward: one all-gather
     (on one GPU: one cast) less per block and step, for the compute-dtype copy of the parameters held meanwhile.
+    fsdp_reduce_in_compute_pool: FSDP2's reduce outputs (the sharded gradients) allocated from the compute stream's
+    allocator pool instead of the reduce-scatter stream's, so the previous step's gradients are reused by this
+    step's activations and accumulated gradients rather than held apart (distributed/fsdp_comms.py); only where no
+    parameter is split over ranks (data_parallel_shard x context_parallel = 1, no tensor or expert parallelism, no
+    optimizer.cpu_offload). Off until measured on a GPU.
     """
 
     SECTION: ClassVar[str] = "parallelism"
@@ -432,6 +437,7 @@ class ParallelismConfig(_Section):
     expert_parallel_degree: int = 1
     expert_fsdp: bool = True
     fsdp_reshard_after_forward: str = "default"
+    fsdp_reduce_in_compute_pool: bool = False
 
     def validate(self) -> None:
         self._choice("fsdp_reshard_after_forward", FSDP_RESHARD)

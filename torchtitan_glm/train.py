@@ -128,6 +128,13 @@ def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
         args = build_model_args(cfg)
         validate_model_layout(dims, args, seq_len=cfg.training.seq_len, expert_fsdp=cfg.parallelism.expert_fsdp)
         cfg.training.accumulation_steps(dims.dp)
+        if cfg.parallelism.fsdp_reduce_in_compute_pool and (
+                dims.dp_shard * dims.cp != 1 or dims.tp != 1 or dims.ep != 1 or cfg.optimizer.cpu_offload):
+            raise ConfigError("parallelism.fsdp_reduce_in_compute_pool",
+                              f"applies where no parameter is split over ranks and FSDP2's reduce is a copy; this "
+                              f"layout has data_parallel_shard {dims.dp_shard} x context_parallel {dims.cp}, tensor "
+                              f"parallel {dims.tp}, expert parallel {dims.ep}"
+                              + (", and optimizer.cpu_offload" if cfg.optimizer.cpu_offload else ""))
         if cfg.profiling.memory and not torch.cuda.is_available():
             raise ConfigError("profiling.memory", "records CUDA allocations (torch.cuda.memory) and this host has "
                               "no CUDA device; use profiling.enable for the operator profile")
@@ -253,7 +260,8 @@ class Trainer:
             offload_inputs=cfg.activation_checkpoint.offload_inputs,
             compile_enable=cfg.compile.enable, compile_backend=cfg.compile.backend, compile_mode=cfg.compile.mode,
             compile_components=cfg.compile.components, cpu_offload=cfg.optimizer.cpu_offload,
-            expert_fsdp=cfg.parallelism.expert_fsdp, fsdp_reshard=cfg.parallelism.fsdp_reshard_after_forward)
+            expert_fsdp=cfg.parallelism.expert_fsdp, fsdp_reshard=cfg.parallelism.fsdp_reshard_after_forward,
+            reduce_in_compute_pool=cfg.parallelism.fsdp_reduce_in_compute_pool)
         if not small:
             model.to_empty(device=self.device)
             model.init_weights()

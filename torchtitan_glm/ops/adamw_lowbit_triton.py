@@ -135,8 +135,9 @@ def _direct_code(y, qmap_ptr, mask, SIGNED: tl.constexpr, CHECK_ALL: tl.constexp
 @triton.jit
 def _approx_code(y, SIGNED: tl.constexpr):
     """A code within one of the nearest, for _neighbour_code to settle on every lane ("approx"): _direct_code's
-    decade and position with none of its edge cases (a position past either end of its decade is clamped to that end, which
-    is within one of the right code; the neighbours settle midpoints and ties) and no division. NaN takes 0."""
+    decade and position with none of its edge cases (a position past either end of its decade is clamped to that
+    end, which is within one of the right code; the neighbours settle midpoints and ties) and no division. NaN
+    takes 0."""
     U: tl.constexpr = 0 if SIGNED else 1
     a = tl.abs(y)
     i = tl.floor(tl.log2(tl.maximum(a, 1e-30)) * 0.30102999566398120) + 7.0  # decade of a

@@ -38,6 +38,7 @@ class StepSetup:
     ce_chunk: int = 4096
     compiled_loss: bool = True
     accumulated: bool = False  # training.global_batch_size > local x dp: a later microbatch is walked (see plan_memory)
+    grads_in_compute_pool: bool = False  # parallelism.fsdp_reduce_in_compute_pool, where it applies (see plan_memory)
 
 
 @dataclass
@@ -92,7 +93,8 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
     step accumulates is live from its start (FP32: sharded, or, where gradient_accumulation.py defers FSDP2's reduce,
     unsharded in the reduce dtype, the same bytes on one rank), and each unit's reduce adds into it. A deferred
     reduce keeps both in the reserve: the unsharded gradients in the compute stream's pool, the sharded ones (freed
-    by zero_grad) in the reduce-scatter stream's."""
+    by zero_grad) in the reduce-scatter stream's. With `grads_in_compute_pool` (distributed/fsdp_comms.py) the sharded
+    gradients come from the compute stream's pool too: freed, they are reused there, and none stay apart."""
     if setup.scope not in SCOPES:
         raise ValueError(f"unknown scope {setup.scope!r}; choose from {SCOPES}")
     args, a = inv.args, ctx.act
@@ -106,12 +108,13 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
         w.live["parameters"] = state.params + inv.buffer_bytes
         w.live["optimizer"] = state.optimizer
         gathered_max = max(unit_bytes(u, layout, dtype_bytes=setup.param_bytes, sharded=False) for u in inv.units)
-        w.cached = (state.grads - state.replicated_grads) + 2 * gathered_max
+        apart = 0 if setup.grads_in_compute_pool else state.grads - state.replicated_grads
+        w.cached = apart + 2 * gathered_max
         if setup.accumulated:
             w.live["gradients"] = state.grads
             # a deferred reduce accumulates the unsharded gradients on the compute stream and writes the sharded
             # ones on the reduce-scatter stream, once per step: the previous step's stay cached in that pool
-            w.cached = 2 * gathered_max + ((state.grads - state.replicated_grads) if layout.reduce_deferred else 0)
+            w.cached = 2 * gathered_max + (apart if layout.reduce_deferred else 0)
     else:
         w.live["parameters"] = sum(p.numel for p in inv.params) * a + inv.buffer_bytes
 
@@ -251,7 +254,8 @@ def _reduce(w: _Walk, u: Unit, layout: Layout, setup: StepSetup, grads: float, l
     w.point(label, gradients=grads + sharded, working=rs_in)
     if not setup.accumulated:  # else added into the gradients held since the first microbatch
         w.live["gradients"] += sharded + rep
-    w.cached = max(0.0, w.cached - sharded)  # the reduce-scatter output reuses the cached gradient blocks
+    if not setup.grads_in_compute_pool:  # the reduce-scatter output reuses the cached gradient blocks
+        w.cached = max(0.0, w.cached - sharded)
     return rs_in
 
 

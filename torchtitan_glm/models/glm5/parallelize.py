@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torchtitan_glm.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_glm.compile import apply_compile
 from torchtitan_glm.config import reshard_after_forward
+from torchtitan_glm.distributed.fsdp_comms import use_compute_pool_reduce
 from torchtitan_glm.distributed.replicated import DEFAULT_BUCKET_BYTES, ReplicaGroup, Replicated
 
 from .dsa import SparseMLA
@@ -180,6 +181,7 @@ def parallelize_glm5(
     cpu_offload: bool = False,
     expert_fsdp: bool = False,
     fsdp_reshard: str = "default",
+    reduce_in_compute_pool: bool = False,
 ) -> Replicated:
     """TP -> EP -> AC -> compile -> FSDP2 in place (meshes from ParallelDims.build_mesh); returns the parameters kept
     out of FSDP2 and how to keep them in sync (their gradient all-reduces overlap with backward, in buckets of
@@ -187,7 +189,8 @@ def parallelize_glm5(
     (and so the optimizer's states) in (pinned, on a GPU) host memory; the parameters kept out of FSDP2 stay put.
     expert_fsdp: shard the routed experts over the expert-data ranks too (see apply_expert_parallel). offload_inputs:
     the full-AC blocks' saved inputs wait for backward in host memory (activation_checkpoint.HostOffload).
-    fsdp_reshard: parallelism.fsdp_reshard_after_forward (config.reshard_after_forward)."""
+    fsdp_reshard: parallelism.fsdp_reshard_after_forward (config.reshard_after_forward). reduce_in_compute_pool:
+    parallelism.fsdp_reduce_in_compute_pool (distributed/fsdp_comms.py)."""
     tp, ep = meshes["tp"], meshes.get("ep")
     dp_cp_size = meshes["dp_cp"].size()
     if tp.size() > 1:
@@ -219,6 +222,8 @@ def parallelize_glm5(
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=outside,
                 offload_policy=offload)
     register_fsdp_forward_method(model, "logits")  # the inference entry gets the root's FSDP hooks too
+    if reduce_in_compute_pool:
+        use_compute_pool_reduce(model, device_type=mesh.device_type)
 
     dp_cp = meshes["dp_cp"].get_group()
     plain = [p for p in kept if not isinstance(p, DTensor)]
