@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.fsdp import FSDPModule
 
 from torchtitan_glm.activation_checkpoint import offload_host_bytes
 from torchtitan_glm.components import loss as losses
@@ -135,6 +136,9 @@ def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
                               f"layout has data_parallel_shard {dims.dp_shard} x context_parallel {dims.cp}, tensor "
                               f"parallel {dims.tp}, expert parallel {dims.ep}"
                               + (", and optimizer.cpu_offload" if cfg.optimizer.cpu_offload else ""))
+        if cfg.parallelism.fsdp_reduce_in_compute_pool and not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+            raise ConfigError("parallelism.fsdp_reduce_in_compute_pool",
+                              f"needs FSDP2's set_custom_reduce_scatter, which torch {torch.__version__} lacks")
         if cfg.profiling.memory and not torch.cuda.is_available():
             raise ConfigError("profiling.memory", "records CUDA allocations (torch.cuda.memory) and this host has "
                               "no CUDA device; use profiling.enable for the operator profile")
