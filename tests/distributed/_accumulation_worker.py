@@ -90,6 +90,14 @@ def main() -> None:
     cp_split = run(folder, *cp, "--training.local_batch_size", "1", "--training.global_batch_size", "2")
     assert cp_split["plan"].steps == 2
     compare(cp_split, cp_whole)
+    # replicas only (FSDP2's reduce is a copy, then an all-reduce over the replicas): deferred to the last
+    # microbatch, here with FSDP2's buffers from the compute stream's pool (parallelism.fsdp_reduce_in_compute_pool)
+    rep = ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1")
+    rep_whole = run(folder, *rep, "--training.local_batch_size", "2")
+    rep_split = run(folder, *rep, "--training.local_batch_size", "1", "--training.global_batch_size", "4",
+                    "--parallelism.fsdp_reduce_in_compute_pool", "true")
+    assert (rep_split["plan"].steps, rep_split["plan"].defer_fsdp_reduce) == (2, True)
+    compare(rep_split, rep_whole)
     print(f"rank {os.environ['RANK']} OK", flush=True)
 
 
