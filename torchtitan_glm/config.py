@@ -284,9 +284,8 @@ class OptimizerConfig(_Section):
     AdamW8bit / AdamWFp8 "fused" (the project's step over torchao's states, ops/adamw_lowbit.py: on CUDA one Triton
     kernel per parameter that reads and writes each value once, elsewhere its torch reference; it also takes
     training.on_nonfinite = "skip" on the device, where "compiled" reads the step's flag on the host), "compiled"
-    (torchao's own torch.compile'd step, one compile per parameter shape) or "auto" ("fused": on an H200 over the
-    proxy's parameters AdamW8bit's fused kernel took 98.5 ms and AdamWFp8's 39.0, where "compiled" took 159.4 and
-    153.4; docs/performance.md, sixteenth session); the states and checkpoints are the same either way;
+    (torchao's own torch.compile'd step, one compile per parameter shape) or "auto" ("fused", the faster on an H200:
+    docs/performance.md, sixteenth session); the states and checkpoints are the same either way;
     cpu_offload: keep the FSDP2-sharded parameters, their gradients and optimizer states in host memory and step
     there (FSDP2's CPUOffloadPolicy: the parameters are copied to the GPU for each block's forward and backward, the
     gradients back), AdamW only. torchao's CPUOffloadOptimizer is not offered: it is CUDA-only and for one device,

@@ -129,8 +129,7 @@ def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
         args = build_model_args(cfg)
         validate_model_layout(dims, args, seq_len=cfg.training.seq_len, expert_fsdp=cfg.parallelism.expert_fsdp)
         cfg.training.accumulation_steps(dims.dp)
-        if cfg.parallelism.fsdp_reduce_in_compute_pool and (
-                dims.dp_shard * dims.cp != 1 or dims.tp != 1 or dims.ep != 1 or cfg.optimizer.cpu_offload):
+        if cfg.parallelism.fsdp_reduce_in_compute_pool and (dims.splits_parameters or cfg.optimizer.cpu_offload):
             raise ConfigError("parallelism.fsdp_reduce_in_compute_pool",
                               f"applies where no parameter is split over ranks and FSDP2's reduce is a copy; this "
                               f"layout has data_parallel_shard {dims.dp_shard} x context_parallel {dims.cp}, tensor "

@@ -65,19 +65,30 @@ def live_at_peak(snapshot: dict, *, root: str = "torchtitan_glm/", device: int =
     return peak, rows
 
 
+def start_recording(*, max_entries: int = 2_000_000) -> None:
+    """Record every CUDA allocation and free from now on, with its Python stack (torch's memory history)."""
+    import torch
+
+    torch.cuda.memory._record_memory_history(context="all", stacks="python", max_entries=max_entries)
+
+
+def stop_recording() -> None:
+    import torch
+
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
 @contextmanager
 def recording(enabled: bool, *, max_entries: int = 2_000_000):
     """Record CUDA allocations with Python stacks while the block runs (nothing when not enabled)."""
-    import torch
-
     if not enabled:
         yield
         return
-    torch.cuda.memory._record_memory_history(context="all", stacks="python", max_entries=max_entries)
+    start_recording(max_entries=max_entries)
     try:
         yield
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        stop_recording()
 
 
 def breakdown(snapshot: dict, *, title: str, top: int = 30) -> str:

@@ -65,9 +65,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def resolved_implementation(cfg: OptimizerConfig, *, on_cuda: bool) -> str:
     """The step `build_optimizer` runs for [optimizer] over parameters on CUDA or not: AdamW "auto" is "fused" on
-    CUDA, else "foreach"; the low-bit AdamWs' "auto" is the project's "fused" step everywhere (on an H200 its kernel
-    takes 98.5 ms over the proxy's parameters where torchao's compiled step takes 159.4, AdamWFp8 39.0 against
-    153.4: docs/performance.md, sixteenth session; on CPU it is the torch reference, with no compile to pay)."""
+    CUDA, else "foreach"; the low-bit AdamWs' "auto" is the project's "fused" step everywhere (on CUDA faster than
+    torchao's compiled step for both, as measured in docs/performance.md, sixteenth session; on CPU it is the torch
+    reference, with no compile to pay)."""
     if cfg.implementation != "auto":
         return cfg.implementation
     if cfg.name == "AdamW":

@@ -27,7 +27,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from torchtitan_glm.components.memory_peak import breakdown
+from torchtitan_glm.components.memory_peak import breakdown, start_recording, stop_recording
 from torchtitan_glm.config import ProfilingConfig
 
 __all__ = ["StepProfiler", "device_busy_us"]
@@ -96,7 +96,7 @@ class StepProfiler:
         self._sync()
         if self.cfg.memory:  # CUDA only: train.py's check_layout refuses it elsewhere, naming the key
             self._before = torch.cuda.memory_allocated(self.device)
-            torch.cuda.memory._record_memory_history(context="all", stacks="python", max_entries=2_000_000)
+            start_recording()
             self._recording = True
         if self.cfg.enable:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
@@ -125,7 +125,7 @@ class StepProfiler:
         raise FileExistsError(f"{self.folder} holds 10,000 profiles of steps {self.first}-{self.last}")
 
     def _stop_recording(self) -> None:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        stop_recording()
         self._recording = False
 
     def _write_memory(self, tag: str) -> None:

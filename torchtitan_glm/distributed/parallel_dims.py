@@ -88,6 +88,12 @@ class ParallelDims:
         """Ranks that hold the same experts: dp_replicate x (dp_shard x cp / ep)."""
         return self.dp_replicate * self.fsdp // self.ep
 
+    @property
+    def splits_parameters(self) -> bool:
+        """Whether some parameter is split over ranks (FSDP2's shards, tensor or expert parallelism); where none is,
+        FSDP2's reduce is a copy (and an all-reduce over replicas)."""
+        return self.fsdp > 1 or self.tp > 1 or self.ep > 1
+
     def describe(self) -> str:
         return (f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp} "
                 f"ep={self.ep} (world {self.world_size})")
