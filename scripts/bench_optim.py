@@ -11,7 +11,7 @@ model order up to --max-elements (default: all; the proxy has 7.95e9, whose FP32
 same per element whatever the cap, apart from launches: the table gives ms per step, ps per element, and the
 bandwidth that ms means at 16 B per element (read p, g and both 1-byte moments, write p and both moments; AdamW's
 FP32 moments: 28 B). For AdamW8bit's fused step more rows time its kernel alone with the 8-bit codes found each
-way ops/adamw_lowbit_triton.py has (CODE_SEARCHES) and launch shape (the step runs the default, "checked").
+way ops/adamw_lowbit_triton.py has (CODE_SEARCHES) and launch shape (the step runs the default, "approx").
 """
 
 from __future__ import annotations

@@ -30,7 +30,9 @@ __all__ = ["CODE_SEARCHES", "adamw_lowbit_kernel_"]
 # Launch shapes (256-value blocks per program, warps) by state format, as measured on an H200 over the proxy's
 # 7.95e9 parameters (scripts/bench_optim.py; docs/performance.md, sixteenth session): AdamW8bit's codes at 1/2, the
 # fastest of its kernel-alone rows ("checked" 98.5 ms; the binary search 128.6 ms at 8/4; more values per thread
-# took more registers: 241 at 8/4 with "direct"); the formats with no search at 8/4 (AdamWFp8: 32-39 ms).
+# took more registers: 241 at 8/4 with "direct"); the formats with no search at 8/4 (AdamWFp8: 32-39 ms). The
+# default codes, "approx", beat "checked" at 1/2 by 21% on an H100 over 2e9 parameters (20.1 against 25.5 ms; its
+# 1/4 and 2/4 shapes were slower: seventeenth session).
 _SHAPE = {DYNAMIC8: (1, 2)}
 _SHAPE_OTHERS = (8, 4)
 
@@ -226,14 +228,14 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, m_scale_ptr, m_qmap_ptr, v_ptr, v_scale_p
 def adamw_lowbit_kernel_(p: Tensor, grad: Tensor, m_codes: Tensor, m_scale: Tensor, m_qmap: Tensor, v_codes: Tensor,
                          v_scale: Tensor, v_qmap: Tensor, step: Tensor, found_inf: Tensor | None, *, fmt: int,
                          lr: float, lr_wd: float, beta1: float, beta2: float, eps: float,
-                         codes: str = "checked", rows: int | None = None, num_warps: int | None = None):
+                         codes: str = "approx", rows: int | None = None, num_warps: int | None = None):
     """ops/adamw_lowbit.py's step on CUDA (its arguments, checked there; AdamW8bit's exp_avg on the signed map,
     exp_avg_sq on the unsigned one, as torchao makes them); a format's unused tensors are empty. The bias
     corrections 1 - beta^step come from the device's step count as exp2(step * log2(beta)) (within an FP32 ulp or
     two of torchao's host-side pow). `codes` picks how AdamW8bit's codes are found, all to the same codes (timed
     against each other by scripts/bench_optim.py): "direct" from the map's structure, checked against the map
-    where that is uncertain; "checked": the same code settled against the map on every lane (the measured default);
-    "approx": a cheaper approximate code settled the same way (not yet timed on a GPU); "search": the binary
+    where that is uncertain; "checked": the same code settled against the map on every lane; "approx" (the
+    default, the fastest measured): a cheaper approximate code settled the same way; "search": the binary
     search. rows (256-value blocks per program) and num_warps: the launch shape (default:
     the format's measured one), for the same timing. Returns Triton's compiled kernel (its n_regs and n_spills are
     in the benchmark's table)."""

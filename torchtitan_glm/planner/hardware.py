@@ -117,7 +117,8 @@ H200 = GpuSpec(
     # the rest launch gaps); FSDP2's pre-forward and pre-backward casts 20.2 and 23.6 ms (one gather each), its
     # post-backward reduce copies 34.8 ms. The gradient clip (26.1 ms) matches the bytes model (12 B per element).
     # The fused low-bit steps, scripts/bench_optim.py over the same parameters (CUDA events, sixteenth session):
-    # AdamW8bit's kernel 98.5 ms (1 block/2 warps, "checked" codes),
+    # AdamW8bit's kernel 98.5 ms (1 block/2 warps, "checked" codes; the default "approx" is 21% faster on an H100,
+    # not yet timed on the H200, so the H200 rate stays the one measured),
     # AdamWFp8's step 39.0 ms (31.8 in another call). torchao's AdamWFp8 step took 153.4 ms there against
     # its AdamW8bit's 159.4, so AdamWFp8's compiled step keeps AdamW8bit's train.py rate.
     optimizer_s_per_param={"AdamW8bit compiled": 185.7e-3 / 7.95e9, "AdamW8bit fused": 98.5e-3 / 7.95e9,
