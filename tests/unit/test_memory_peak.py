@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torchtitan_glm.components.memory_peak import breakdown, live_at_peak
+from torchtitan_glm.components.memory_peak import breakdown, live_at_peak, reserved_by_stream
 
 
 def _frames(name: str, line: int) -> list[dict]:
@@ -38,3 +38,14 @@ def test_an_out_of_memory_is_the_peak_with_the_failed_request():
 def test_blocks_outside_the_project_are_named_by_their_innermost_frame():
     trace = [{"action": "alloc", "addr": 1, "size": 8, "frames": _frames("x", 1)[:1]}]
     assert live_at_peak({"device_traces": [trace]})[1] == [(8, 1, "functional.py:1 linear")]
+
+
+def test_reserved_memory_is_summed_per_stream_pool():
+    gib = 2**30
+    segments = [{"device": 0, "stream": 0, "total_size": 8 * gib, "allocated_size": 6 * gib},
+                {"device": 0, "stream": 0x5A, "total_size": 3 * gib, "allocated_size": 0},
+                {"device": 0, "stream": 0, "total_size": 2 * gib, "allocated_size": 2 * gib},
+                {"device": 1, "stream": 0, "total_size": 99 * gib, "allocated_size": 0}]  # another device
+    assert reserved_by_stream({"segments": segments}) == [(0, 10 * gib, 8 * gib, 2), (0x5A, 3 * gib, 0, 1)]
+    table = breakdown({"device_traces": [[_alloc(1, gib, "dsa", 10)]], "segments": segments}, title="t")
+    assert "| 0x5a | 3.000 | 0.000 | 3.000 | 1 |" in table and "| 0 | 10.000 | 8.000 | 2.000 | 2 |" in table

@@ -122,13 +122,15 @@ def host_available_memory() -> int | None:
     return None
 
 
-def loss_buffers(*, tokens: int, vocab: int, dim: int, chunk: int, weight_bytes: int) -> dict[str, int]:
+def loss_buffers(*, tokens: int, vocab: int, dim: int, chunk: int, weight_bytes: int,
+                 compiled: bool = False) -> dict[str, int]:
     """Bytes the fused LM-head cross-entropy (ops/linear_cross_entropy.py) holds for `tokens` rows (trunk + MTP):
-    the FP32 logits of one chunk with their softmax gradient in the weight's dtype while it runs, and the weight
-    gradient it keeps from forward to backward: FP32 when it sums several chunks, in the weight's dtype for one."""
+    one chunk's logits with their softmax gradient in the weight's dtype while it runs (eager: the logits in FP32;
+    compiled: in the weight's dtype, the upcast fused), and the weight gradient it keeps from forward to backward:
+    FP32 when it sums several chunks, in the weight's dtype for one."""
     rows = min(tokens, chunk)
     several = tokens > chunk
-    return {"logits_chunk": rows * vocab * (4 + weight_bytes),
+    return {"logits_chunk": rows * vocab * ((weight_bytes if compiled else 4) + weight_bytes),
             "weight_grad": vocab * dim * (4 if several else weight_bytes), "fp32_weight_grad": int(several)}
 
 
@@ -198,7 +200,7 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
     head_tokens = rows_per_rank * (2 if args.num_nextn_predict_layers and cfg.loss.mtp_weight > 0 else 1)
     weight_bytes = 2 if cfg.training.mixed_precision_param == "bfloat16" else 4
     ce = loss_buffers(tokens=head_tokens, vocab=args.vocab_size, dim=args.hidden_size, chunk=cfg.loss.ce_chunk_size,
-                      weight_bytes=weight_bytes)
+                      weight_bytes=weight_bytes, compiled=cfg.compile.enable and "loss" in cfg.compile.components)
     opt = cfg.optimizer
     where = "; params, grads and optimizer in host memory (optimizer.cpu_offload)" if opt.cpu_offload else ""
     from torchtitan_glm.components.optimizer import resolved_implementation

@@ -65,6 +65,22 @@ def live_at_peak(snapshot: dict, *, root: str = "torchtitan_glm/", device: int =
     return peak, rows
 
 
+def reserved_by_stream(snapshot: dict, *, device: int = 0) -> list[tuple[int, int, int, int]]:
+    """[(stream, reserved bytes, allocated bytes, segments) ...] largest first, at the snapshot's moment.
+
+    The caching allocator keeps a freed block in the pool of the stream that allocated it, so what one stream has
+    cached another cannot reuse: the gap between the reserved and allocated peaks sits in these pools."""
+    pools: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for seg in snapshot.get("segments", []):
+        if seg.get("device", device) != device:
+            continue
+        p = pools[seg.get("stream", 0)]
+        p[0] += seg["total_size"]
+        p[1] += seg["allocated_size"]
+        p[2] += 1
+    return sorted(((s, r, a, n) for s, (r, a, n) in pools.items()), key=lambda row: -row[1])
+
+
 def start_recording(*, max_entries: int = 2_000_000) -> None:
     """Record every CUDA allocation and free from now on, with its Python stack (torch's memory history)."""
     import torch
@@ -100,6 +116,12 @@ def breakdown(snapshot: dict, *, title: str, top: int = 30) -> str:
     rest = sum(b for b, _, _ in rows[top:])
     if rest:
         lines.append(f"| {rest / 2**30:.3f} | {sum(n for _, n, _ in rows[top:])} | (the rest) |")
+    pools = reserved_by_stream(snapshot)
+    if pools:
+        lines += ["", "reserved when the snapshot was taken, by the stream whose pool holds it (stream 0: the default):",
+                  "| stream | reserved GiB | allocated GiB | cached GiB | segments |", "|---|---|---|---|---|"]
+        lines += [f"| {hex(st) if st else 0} | {r / 2**30:.3f} | {a / 2**30:.3f} | {(r - a) / 2**30:.3f} | {n} |"
+                  for st, r, a, n in pools]
     return "\n".join(lines)
 
 

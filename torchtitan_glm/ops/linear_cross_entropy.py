@@ -29,16 +29,33 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h, y = hidden[s:e], labels[s:e]
             keep = y != IGNORE_INDEX
             y_safe = torch.where(keep, y, torch.zeros_like(y))
-            logits = (h @ weight.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            target = logits.gather(-1, y_safe.unsqueeze(-1)).squeeze(-1)
+            if torch.compiler.is_compiling():
+                # Under inductor the FP32 logits are never written: the upcast is fused into the reductions and
+                # into the one pointwise pass that writes the gradient in the weight's dtype (the one-hot term
+                # as a column compare, which a scatter would not fuse). The working set is the GEMM's logits and
+                # their gradient in the weight's dtype: at the proxy's LM head 2.4 GiB, where the FP32 buffer
+                # and its in-place updates held about 6 (H100 memory snapshot, docs/performance.md).
+                logits = h @ weight.t()
+                lse = torch.logsumexp(logits.float(), dim=-1)
+                target = logits.gather(-1, y_safe.unsqueeze(-1)).squeeze(-1).float()
+            else:
+                logits = (h @ weight.t()).float()
+                lse = torch.logsumexp(logits, dim=-1)
+                target = logits.gather(-1, y_safe.unsqueeze(-1)).squeeze(-1)
             losses[s:e] = torch.where(keep, lse - target, torch.zeros_like(lse))
             if need_grad:
-                # d(sum_i w_i * loss_i)/d(logits) = w_i * (softmax_i - onehot_i), zero on ignored rows.
-                # In place over the logits buffer: eager keeps one [chunk, vocab] FP32 tensor alive, not three.
-                g = logits.sub_(lse.unsqueeze(-1)).exp_()
-                g.scatter_add_(-1, y_safe.unsqueeze(-1), -torch.ones_like(lse).unsqueeze(-1))
-                g = g.mul_((token_weights[s:e].float() * keep).unsqueeze(-1)).to(weight.dtype)
+                # d(sum_i w_i * loss_i)/d(logits) = w_i * (softmax_i - onehot_i), zero on ignored rows; the same
+                # FP32 values either way (p - 1 where a scatter adds -1), rounded once to the weight's dtype.
+                scale = (token_weights[s:e].float() * keep).unsqueeze(-1)
+                if torch.compiler.is_compiling():
+                    p = torch.exp(logits.float() - lse.unsqueeze(-1))
+                    hit = torch.arange(logits.shape[-1], device=logits.device) == y_safe.unsqueeze(-1)
+                    g = (torch.where(hit, p - 1.0, p) * scale).to(weight.dtype)
+                else:  # in place over the FP32 logits: eager keeps one [chunk, vocab] FP32 tensor alive, not three
+                    g = logits.sub_(lse.unsqueeze(-1)).exp_()
+                    g.scatter_add_(-1, y_safe.unsqueeze(-1), -torch.ones_like(lse).unsqueeze(-1))
+                    g = g.mul_(scale).to(weight.dtype)
+                del logits
                 # Both GEMMs take the weight's dtype, as nn.Linear's backward would: an FP32 dW GEMM of a
                 # [vocab, chunk] x [chunk, D] product ran on SIMT cores and cost 100 ms a step on the H200 proxy.
                 # The per-chunk partial dW is summed across chunks in FP32; a single chunk's is the gradient.

@@ -185,9 +185,9 @@ def plan_memory(inv: ModelInventory, layout: Layout, ctx: ActContext, setup: Ste
     several = rows > chunk  # one chunk writes grad_w in the weight's dtype; several sum it in FP32
     gw = 4 if several else a
     ce_kept = rows * d * a + gw * v_local * d  # grad_h, grad_w
-    if setup.compiled_loss:  # per chunk: the logits GEMM output with the FP32 gradient formed from it (scatter
-        # target), then that with its cast; then the cast with the dW partial
-        ce_work = max(chunk * v_local * (a + 4), chunk * v_local * a + v_local * d * a)
+    if setup.compiled_loss:  # per chunk: the logits GEMM output with the gradient written from it in the weight's
+        # dtype (the FP32 upcast fused away); then that gradient with the dW partial
+        ce_work = max(2 * chunk * v_local * a, chunk * v_local * a + v_local * d * a)
     else:  # eager: the FP32 logits (modified in place) stay referenced through the chunk, with the cast, the dW
         # partial and (several chunks) its FP32 copy
         ce_work = chunk * v_local * (4 + a) + v_local * d * (a + (4 if several else 0))
