@@ -38,6 +38,7 @@ from torchtitan_glm.components.step_stats import PendingStep, StepStats, optimiz
 from torchtitan_glm.components.tokenizer import build_tokenizer, check_vocab_fits
 from torchtitan_glm.config import ConfigError, JobConfig, load_config, main_guard
 from torchtitan_glm.distributed.cp_layout import CPLayout
+from torchtitan_glm.distributed.fsdp_comms import compute_pool_wanted
 from torchtitan_glm.distributed.grad_accumulation import GradientAccumulation
 from torchtitan_glm.distributed.parallel_dims import ParallelDims, validate_model_layout, world_size_from_env
 from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8, precompute_float8_scales
@@ -134,7 +135,8 @@ def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
                               f"applies where no parameter is split over ranks and FSDP2's reduce is a copy; this "
                               f"layout has data_parallel_shard {dims.dp_shard} x context_parallel {dims.cp}, tensor "
                               f"parallel {dims.tp}, expert parallel {dims.ep}"
-                              + (", and optimizer.cpu_offload" if cfg.optimizer.cpu_offload else ""))
+                              + (", and optimizer.cpu_offload" if cfg.optimizer.cpu_offload else "")
+                              + "; leave it unset to have it wherever it applies")
         if cfg.parallelism.fsdp_reduce_in_compute_pool and not hasattr(FSDPModule, "set_custom_reduce_scatter"):
             raise ConfigError("parallelism.fsdp_reduce_in_compute_pool",
                               f"needs FSDP2's set_custom_reduce_scatter, which torch {torch.__version__} lacks")
@@ -255,6 +257,9 @@ class Trainer:
         if cfg.loss.indexer_stage == "dense_warmup":
             for name, p in model.named_parameters():
                 p.requires_grad_(p.requires_grad and ".indexer." in name)
+        self.compute_pool = compute_pool_wanted(cfg.parallelism.fsdp_reduce_in_compute_pool,
+                                                splits_parameters=dims.splits_parameters,
+                                                cpu_offload=cfg.optimizer.cpu_offload)
         self.replicated = parallelize_glm5(
             model, meshes=self.meshes, param_dtype=cfg.training.mixed_precision_param,
             reduce_dtype=cfg.training.mixed_precision_reduce, ac_mode=cfg.activation_checkpoint.mode,
@@ -264,7 +269,7 @@ class Trainer:
             compile_enable=cfg.compile.enable, compile_backend=cfg.compile.backend, compile_mode=cfg.compile.mode,
             compile_components=cfg.compile.components, cpu_offload=cfg.optimizer.cpu_offload,
             expert_fsdp=cfg.parallelism.expert_fsdp, fsdp_reshard=cfg.parallelism.fsdp_reshard_after_forward,
-            reduce_in_compute_pool=cfg.parallelism.fsdp_reduce_in_compute_pool)
+            reduce_in_compute_pool=self.compute_pool)
         if not small:
             model.to_empty(device=self.device)
             model.init_weights()
@@ -451,7 +456,9 @@ class Trainer:
                                        device_name=torch.cuda.get_device_name(self.device) if device_bytes else "")
             logger.info(startup_summary(cfg=cfg, args=self.args, model=self.model, world=self.world,
                                         dp_size=self.dims.dp, device=self.device, resume=self._resume_state,
-                                        layout=self.dims.describe(), device_bytes=device_bytes,
+                                        layout=self.dims.describe() + ("; FSDP2's reduce buffers from the compute "
+                                                                       "stream's pool" if self.compute_pool else ""),
+                                        device_bytes=device_bytes,
                                         host_pinned=offload_pinned_bytes(cfg, self.args, cp=self.dims.cp)
                                         if device_bytes else 0,
                                         planned=peak, planned_speed=speed, dataloader=self.dataloader))

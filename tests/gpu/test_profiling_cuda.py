@@ -40,6 +40,10 @@ def test_memory_window_breaks_the_peak_down_by_source_line(tmp_path, world_of_on
     assert any(e["action"] == "alloc" for e in snapshot["device_traces"][torch.cuda.current_device()])
     table = (folder / "memory.txt").read_text()
     assert re.search(r"GiB traced", table) and "torchtitan_glm/models/glm5/" in table, table
+    # the reserve by stream pool, from the snapshot's segments: the default stream's pool holds the activations
+    pools = re.findall(r"^\| (0|0x[0-9a-f]+) \| ([0-9.]+) \| ([0-9.]+) \|", table, re.M)
+    default = [(float(r), float(a)) for st, r, a in pools if st == "0"]
+    assert default and default[0][0] > 0 and default[0][0] >= default[0][1], table
     assert not (folder / "ops.txt").exists()  # enable off: no operator profile
     # the recording stopped with the window: a later allocation is not traced
     probe = torch.empty(7 * 2**20 + 1536, dtype=torch.uint8, device="cuda")

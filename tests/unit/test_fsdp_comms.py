@@ -36,10 +36,16 @@ def _train(tmp_path, monkeypatch, *overrides: str):
 @pytest.mark.parametrize("accumulate", [(), ("--training.global_batch_size", "2",
                                               "--parallelism.fsdp_reshard_after_forward", "never")],
                          ids=["one_batch", "two_microbatches"])
-def test_training_is_identical_with_the_reduce_in_the_compute_pool(tmp_path, world_of_one, monkeypatch, accumulate):
-    off = _train(tmp_path / "off", monkeypatch, *accumulate)
+def test_training_is_identical_with_the_reduce_in_the_compute_pool(tmp_path, world_of_one, monkeypatch, accumulate,
+                                                                   caplog):
+    off = _train(tmp_path / "off", monkeypatch, *accumulate, "--parallelism.fsdp_reduce_in_compute_pool", "false")
     on = _train(tmp_path / "on", monkeypatch, *accumulate, "--parallelism.fsdp_reduce_in_compute_pool", "true")
-    assert off[2] is None and on[2] is not None
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        unset = _train(tmp_path / "unset", monkeypatch, *accumulate)  # the default: on, where no parameter is split
+    assert "FSDP2's reduce buffers from the compute stream's pool" in caplog.text  # the start-up summary says so
+    assert off[2] is None and on[2] is not None and unset[2] is not None
+    assert unset[0] == on[0]
     # the reduce's input and output of every unit, every step: at least the FP32 gradients of all parameters
     grads = sum(p.numel() * 4 for p in on[1].values())
     assert on[2].allocated >= 3 * grads, (on[2].allocated, grads)
@@ -60,9 +66,20 @@ def test_the_key_is_refused_where_parameters_are_split(monkeypatch):
     with pytest.raises(ConfigError, match=r"parallelism\.fsdp_reduce_in_compute_pool.*data_parallel_shard 2"):
         check_layout(_cfg(key, "true"))
     check_layout(_cfg(key, "true", "--parallelism.data_parallel_replicate_degree", "2"))  # replicas: a copy
+    check_layout(_cfg())  # unset: off there, no error
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match=r"cpu_offload"):
         check_layout(_cfg(key, "true", "--optimizer.cpu_offload", "true"))
+
+
+def test_unset_means_wherever_it_applies():
+    from torchtitan_glm.distributed.fsdp_comms import compute_pool_wanted
+
+    assert compute_pool_wanted(None, splits_parameters=False, cpu_offload=False)
+    assert not compute_pool_wanted(None, splits_parameters=True, cpu_offload=False)
+    assert not compute_pool_wanted(None, splits_parameters=False, cpu_offload=True)
+    assert not compute_pool_wanted(False, splits_parameters=False, cpu_offload=False)
+    assert compute_pool_wanted(True, splits_parameters=False, cpu_offload=False)
 
 
 def test_the_planner_keeps_no_gradients_apart_with_it():
@@ -74,8 +91,9 @@ def test_the_planner_keeps_no_gradients_apart_with_it():
 
     for extra in ((), ("--training.global_batch_size=8", "--parallelism.fsdp_reshard_after_forward=never")):
         argv = ("--config", "train_configs/glm5_3_flash_proxy.toml", *extra)
-        off = plan(Request(argv, 1, H200, "train"))
+        off = plan(Request((*argv, "--parallelism.fsdp_reduce_in_compute_pool=false"), 1, H200, "train"))
         on = plan(Request((*argv, "--parallelism.fsdp_reduce_in_compute_pool=true"), 1, H200, "train"))
+        assert plan(Request(argv, 1, H200, "train")).memory.reserved == on.memory.reserved  # unset: on here
         assert on.memory.peak == off.memory.peak and on.time.step_s == off.time.step_s
         assert on.memory.reserved < off.memory.reserved and on.fits
         if extra:

@@ -11,7 +11,8 @@ stream waits for the compute stream before it writes the output, so no earlier u
 output stays referenced (as .grad) until the compute stream has waited for the reduce at the end of backward and
 the optimizer has stepped. FSDP2's public set_custom_reduce_scatter takes it (an object with its ReduceScatter
 interface: allocate and the call; the base class is not exported); the collective itself is the default one. Used
-only where no parameter is split over ranks (the reduce is then a copy; train.py refuses the key elsewhere).
+only where no parameter is split over ranks (the reduce is then a copy; train.py refuses the key elsewhere), which
+is where the key, left unset, turns it on (compute_pool_wanted).
 """
 
 from __future__ import annotations
@@ -23,7 +24,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["ComputePoolReduceScatter", "use_compute_pool_reduce"]
+__all__ = ["ComputePoolReduceScatter", "compute_pool_wanted", "use_compute_pool_reduce"]
+
+
+def compute_pool_wanted(setting: bool | None, *, splits_parameters: bool, cpu_offload: bool) -> bool:
+    """parallelism.fsdp_reduce_in_compute_pool resolved: as set, or when unset wherever it applies (no parameter
+    split over ranks, no optimizer.cpu_offload, a torch whose FSDP2 takes a custom reduce-scatter)."""
+    if setting is not None:
+        return setting
+    return not splits_parameters and not cpu_offload and hasattr(FSDPModule, "set_custom_reduce_scatter")
 
 
 class ComputePoolReduceScatter:

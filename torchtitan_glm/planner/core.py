@@ -245,8 +245,8 @@ def plan_layout(request: Request, cfg: JobConfig, inv: ModelInventory, layout: L
     setup = StepSetup(scope=scope, regime=regime, param_bytes=act,
                       reduce_bytes=_DTYPE_BYTES[tr.mixed_precision_reduce], ce_chunk=cfg.loss.ce_chunk_size,
                       compiled_loss=compiled_loss, accumulated=micro > 1,
-                      grads_in_compute_pool=(cfg.parallelism.fsdp_reduce_in_compute_pool and layout.reduce_deferred
-                                             and not cfg.optimizer.cpu_offload))
+                      grads_in_compute_pool=(cfg.parallelism.fsdp_reduce_in_compute_pool is not False
+                                             and layout.reduce_deferred and not cfg.optimizer.cpu_offload))
     memory = plan_memory(inv, layout, ctx, setup)
     memory.host_pinned = offloaded_inputs(inv.units, ctx, with_mtp=with_mtp)
     time = plan_time(inv, layout, request.gpu, ctx, regime=regime, with_mtp=with_mtp, param_bytes=act,
