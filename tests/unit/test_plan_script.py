@@ -283,9 +283,11 @@ def test_optimizer_state_follows_optimizer_name(name):
 
 def test_recompute_modules_move_the_plan():
     # Each label drops saved outputs (checked against captures in test_planner_activations.py) and costs its
-    # forward once more: the plan keeps less and takes longer; without the key, no recompute term.
+    # forward once more: the plan keeps less and takes longer; without the key, no recompute term. At T = 16K the
+    # peak is in backward, where activations bind (at 4K, with FSDP2's reduce in the compute pool, it is the last
+    # reduce, after the activations are gone).
     base = ["--config", "train_configs/glm5_3_flash_proxy.toml", "--gpus", "1", "--activation_checkpoint.mode",
-            "selective", "--json"]
+            "selective", "--training.seq_len", "16384", "--json"]
     plain = json.loads(run(base))
     assert "recompute_modules" not in plain["time"]["compute_s"]
     for labels in ("kda", "kda,mhc,indexer,mla_up_proj,sparse_attn,moe,mlp"):

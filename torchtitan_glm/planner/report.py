@@ -34,8 +34,8 @@ def plan_text(p: Plan) -> str:
         fit += (" by its reserve estimate (blocks cached in FSDP2's stream pools); the allocated peak is within "
                 "the budget: it runs while the reserve stays under the card, past it the allocator releases cached "
                 "blocks when an allocation would fail (a cost per step; scripts/train_capped.py measures it). Where "
-                "no parameter is split, parallelism.fsdp_reduce_in_compute_pool (unset: on there) keeps FSDP2's gradients "
-                "in one pool")
+                "no parameter is split, parallelism.fsdp_reduce_in_compute_pool (unset: on there) keeps FSDP2's "
+                "gradients in one pool")
     lines = [
         f"plan: {config} on {r.gpus} x {r.gpu.name} (scope {r.scope})",
         f"layout: {p.layout.describe()}; the trainer {verdict}; parallelisation: {p.design}",
