@@ -426,9 +426,9 @@ class ParallelismConfig(_Section):
     step's activations and accumulated gradients rather than held apart (distributed/fsdp_comms.py); only where no
     parameter is split over ranks (data_parallel_shard x context_parallel = 1, no tensor or expert parallelism, no
     optimizer.cpu_offload). Unset (the default; "none" on the command line) turns it on exactly there, with a torch
-    whose FSDP2 has set_custom_reduce_scatter: on one H200 the proxy at 8 rows per step reserved 113.3 GiB with it
-    against 132.0 without, at 9,298 tokens/s against 9,051 (docs/performance.md, seventeenth session); true where it
-    cannot apply is refused, false turns it off.
+    whose FSDP2 has set_custom_reduce_scatter (on one H200 the proxy at 8 rows per step reserved 113.3 GiB with it,
+    where the planner puts it at 137.0 without: docs/performance.md, seventeenth session); true where it cannot apply
+    is refused, false turns it off.
     """
 
     SECTION: ClassVar[str] = "parallelism"
@@ -820,7 +820,12 @@ def _from_toml(value: Any, tp: Any, key: str) -> Any:
 def _from_cli(text: str, tp: Any, key: str) -> Any:
     inner = _optional_inner(tp)
     if inner is not None:
-        return None if text.strip().lower() in ("", "none", "null") else _from_cli(text, inner, key)
+        if text.strip().lower() in ("", "none", "null"):
+            return None
+        try:
+            return _from_cli(text, inner, key)
+        except ConfigError:  # name the whole type: "none" is a value too
+            raise ConfigError(key, f"expected {_type_name(tp)}, got {text!r}") from None
     if tp not in (bool, int, float, str) and text.strip().startswith("["):  # a TOML array: ["kda", "mhc"]
         try:
             value = tomllib.loads(f"v = {text}")["v"]

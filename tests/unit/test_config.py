@@ -66,6 +66,14 @@ def test_cli_bool_spellings(value, expected):
     assert load_config([f"--training.deterministic={value}"]).training.deterministic is expected
 
 
+@pytest.mark.parametrize("value,expected", [("none", None), ("", None), ("TRUE", True), ("0", False)])
+def test_cli_optional_bool_takes_none_and_names_it_in_errors(value, expected):
+    key = "--parallelism.fsdp_reduce_in_compute_pool"
+    assert load_config([f"{key}={value}"]).parallelism.fsdp_reduce_in_compute_pool is expected
+    with pytest.raises(ConfigError, match=r"fsdp_reduce_in_compute_pool.*expected bool \(true/false\) or none, got 'maybe'"):
+        load_config([key, "maybe"])
+
+
 BAD_TOML = [
     ("[training]\nstepz = 3\n", "training.stepz", "did you mean `training.steps`"),
     ("[trainin]\nsteps = 3\n", "trainin", "unknown section"),
