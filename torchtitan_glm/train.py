@@ -13,7 +13,6 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.fsdp import FSDPModule
 
 from torchtitan_glm.activation_checkpoint import offload_host_bytes
 from torchtitan_glm.components import loss as losses
@@ -38,7 +37,8 @@ from torchtitan_glm.components.step_stats import PendingStep, StepStats, optimiz
 from torchtitan_glm.components.tokenizer import build_tokenizer, check_vocab_fits
 from torchtitan_glm.config import ConfigError, JobConfig, load_config, main_guard
 from torchtitan_glm.distributed.cp_layout import CPLayout
-from torchtitan_glm.distributed.fsdp_comms import compute_pool_wanted
+from torchtitan_glm.distributed.fsdp_comms import (compute_pool_applies, compute_pool_wanted,
+                                                   custom_reduce_scatter_supported)
 from torchtitan_glm.distributed.grad_accumulation import GradientAccumulation
 from torchtitan_glm.distributed.parallel_dims import ParallelDims, validate_model_layout, world_size_from_env
 from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8, precompute_float8_scales
@@ -130,14 +130,15 @@ def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
         args = build_model_args(cfg)
         validate_model_layout(dims, args, seq_len=cfg.training.seq_len, expert_fsdp=cfg.parallelism.expert_fsdp)
         cfg.training.accumulation_steps(dims.dp)
-        if cfg.parallelism.fsdp_reduce_in_compute_pool and (dims.splits_parameters or cfg.optimizer.cpu_offload):
+        if cfg.parallelism.fsdp_reduce_in_compute_pool and not compute_pool_applies(
+                splits_parameters=dims.splits_parameters, cpu_offload=cfg.optimizer.cpu_offload):
             raise ConfigError("parallelism.fsdp_reduce_in_compute_pool",
                               f"applies where no parameter is split over ranks and FSDP2's reduce is a copy; this "
                               f"layout has data_parallel_shard {dims.dp_shard} x context_parallel {dims.cp}, tensor "
                               f"parallel {dims.tp}, expert parallel {dims.ep}"
                               + (", and optimizer.cpu_offload" if cfg.optimizer.cpu_offload else "")
                               + "; leave it unset to have it wherever it applies")
-        if cfg.parallelism.fsdp_reduce_in_compute_pool and not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+        if cfg.parallelism.fsdp_reduce_in_compute_pool and not custom_reduce_scatter_supported():
             raise ConfigError("parallelism.fsdp_reduce_in_compute_pool",
                               f"needs FSDP2's set_custom_reduce_scatter, which torch {torch.__version__} lacks")
         if cfg.profiling.memory and not torch.cuda.is_available():

@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_training_is_identical_with_the_reduce_in_the_compute_pool_on_cuda(tmp_path, world_of_one, monkeypatch,
                                                                           accumulate):
     det = ("--training.deterministic", "true")  # bit-identical runs on CUDA (no atomics' ordering in between)
-    off = _train(tmp_path / "off", monkeypatch, *accumulate, *det)
+    off = _train(tmp_path / "off", monkeypatch, *accumulate, *det, "--parallelism.fsdp_reduce_in_compute_pool", "false")
+    assert off[2] is None  # the default is on here: the baseline must turn it off
     on = _train(tmp_path / "on", monkeypatch, *accumulate, *det, "--parallelism.fsdp_reduce_in_compute_pool", "true")
     assert on[2] is not None and on[2].stream is not None and on[2].allocated > 0
     assert on[0] == off[0]

@@ -80,6 +80,7 @@ def test_unset_means_wherever_it_applies():
     assert not compute_pool_wanted(None, splits_parameters=False, cpu_offload=True)
     assert not compute_pool_wanted(False, splits_parameters=False, cpu_offload=False)
     assert compute_pool_wanted(True, splits_parameters=False, cpu_offload=False)
+    assert compute_pool_wanted(True, splits_parameters=True, cpu_offload=False)  # as set: train.py refuses it
 
 
 def test_the_planner_keeps_no_gradients_apart_with_it():

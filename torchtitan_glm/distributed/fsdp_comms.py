@@ -24,15 +24,28 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["ComputePoolReduceScatter", "compute_pool_wanted", "use_compute_pool_reduce"]
+__all__ = ["ComputePoolReduceScatter", "compute_pool_applies", "compute_pool_wanted", "custom_reduce_scatter_supported",
+           "use_compute_pool_reduce"]
+
+
+def custom_reduce_scatter_supported() -> bool:
+    """Whether this torch's FSDP2 takes a custom reduce-scatter (set_custom_reduce_scatter)."""
+    return hasattr(FSDPModule, "set_custom_reduce_scatter")
+
+
+def compute_pool_applies(*, splits_parameters: bool, cpu_offload: bool) -> bool:
+    """Where the reduce is a copy whose output the compute stream may own: no parameter split over ranks, and the
+    gradients on the device (no optimizer.cpu_offload)."""
+    return not splits_parameters and not cpu_offload
 
 
 def compute_pool_wanted(setting: bool | None, *, splits_parameters: bool, cpu_offload: bool) -> bool:
-    """parallelism.fsdp_reduce_in_compute_pool resolved: as set, or when unset wherever it applies (no parameter
-    split over ranks, no optimizer.cpu_offload, a torch whose FSDP2 takes a custom reduce-scatter)."""
+    """parallelism.fsdp_reduce_in_compute_pool resolved: as set (train.py refuses true where it does not apply), or
+    when unset wherever it applies on a torch that supports it."""
     if setting is not None:
         return setting
-    return not splits_parameters and not cpu_offload and hasattr(FSDPModule, "set_custom_reduce_scatter")
+    return (compute_pool_applies(splits_parameters=splits_parameters, cpu_offload=cpu_offload)
+            and custom_reduce_scatter_supported())
 
 
 class ComputePoolReduceScatter:

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from torchtitan_glm.config import ConfigError, JobConfig, load_config
+from torchtitan_glm.distributed.fsdp_comms import compute_pool_wanted
 
 from .activations import ActContext, offloaded_inputs
 from .hardware import GIB, GpuSpec
@@ -245,8 +246,9 @@ def plan_layout(request: Request, cfg: JobConfig, inv: ModelInventory, layout: L
     setup = StepSetup(scope=scope, regime=regime, param_bytes=act,
                       reduce_bytes=_DTYPE_BYTES[tr.mixed_precision_reduce], ce_chunk=cfg.loss.ce_chunk_size,
                       compiled_loss=compiled_loss, accumulated=micro > 1,
-                      grads_in_compute_pool=(cfg.parallelism.fsdp_reduce_in_compute_pool is not False
-                                             and layout.reduce_deferred and not cfg.optimizer.cpu_offload))
+                      grads_in_compute_pool=layout.reduce_deferred and compute_pool_wanted(
+                          cfg.parallelism.fsdp_reduce_in_compute_pool, splits_parameters=not layout.reduce_deferred,
+                          cpu_offload=cfg.optimizer.cpu_offload))
     memory = plan_memory(inv, layout, ctx, setup)
     memory.host_pinned = offloaded_inputs(inv.units, ctx, with_mtp=with_mtp)
     time = plan_time(inv, layout, request.gpu, ctx, regime=regime, with_mtp=with_mtp, param_bytes=act,
