@@ -1,5 +1,5 @@
 """One DSA layer's attention, forward + backward, on one GPU: the sparse op (absorbed MLA over K gathered latent
-tokens, ops/sparse_mla.py) against dense SDPA and FlexAttention under the [T, T] selection mask, and dense
+tokens, ops/sparse_mla.py) against dense SDPA under the [T, T] selection mask (the path before issue 11) and dense
 causal SDPA (flash), at GLM-5.3-Flash's shapes (64 heads, qk = v = 256, latent 512, K = 2051).
 
     python scripts/bench_dsa.py                       # T = 32768
@@ -7,8 +7,7 @@ causal SDPA (flash), at GLM-5.3-Flash's shapes (64 heads, qk = v = 256, latent 5
 
 Every variant gets the same random causal selection of K tokens per query (fewer for queries t < K). --layer also
 times the whole SparseMLA block of the proxy (projections, tiled indexer top-k, sparse attention, sparse KL) in
-BF16 against the same block with the selection as a mask (masked SDPA, FlexAttention) and in the dense warm-up form
-(masked SDPA, dense KL); the blocks run eagerly, FlexAttention through its compiled kernel. Prints one JSON line per variant
+BF16 against the same block in the dense warm-up form (masked SDPA, dense KL). Prints one JSON line per variant
 and a markdown table; CUDA events, median of --steps after --warmup (the first sparse call autotunes its Triton
 kernels: tens of seconds).
 
@@ -55,7 +54,6 @@ def causal_selection(seqlen: int, k: int, device: str) -> torch.Tensor:
 
 
 def attention_variants(seqlen: int, k: int, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
-    from torchtitan_glm.ops.masked_attention import masked_attention
     from torchtitan_glm.ops.sparse_mla import sparse_mla
 
     idx = causal_selection(seqlen, k, device)
@@ -75,19 +73,12 @@ def attention_variants(seqlen: int, k: int, device: str = "cuda", dtype: torch.d
         out = F.scaled_dot_product_attention(q, kk, v, attn_mask=mask, scale=scale)
         torch.autograd.grad(out, (q, kk, v), torch.ones_like(out))
 
-    def flex_masked():  # the same mask through FlexAttention (model.dsa_masked_kernel "flex")
-        out = masked_attention(q, kk, v, mask[:, 0], scale=scale, kernel="flex")
-        torch.autograd.grad(out, (q, kk, v), torch.ones_like(out))
-
     def dense_causal():
         out = F.scaled_dot_product_attention(q, kk, v, is_causal=True, scale=scale)
         torch.autograd.grad(out, (q, kk, v), torch.ones_like(out))
 
-    out = {"sparse op (absorbed, K gathered)": sparse, "dense SDPA, [T, T] mask": dense_masked,
-           "FlexAttention, [T, T] mask": flex_masked, "dense SDPA, causal": dense_causal}
-    if device != "cuda":  # FlexAttention has no CPU backward
-        del out["FlexAttention, [T, T] mask"]
-    return out
+    return {"sparse op (absorbed, K gathered)": sparse, "dense SDPA, [T, T] mask": dense_masked,
+            "dense SDPA, causal": dense_causal}
 
 
 def layer_variants(seqlen: int, device: str = "cuda", flavor: str = "glm5_3_flash_proxy",
@@ -101,18 +92,13 @@ def layer_variants(seqlen: int, device: str = "cuda", flavor: str = "glm5_3_flas
     doc = DocLayout(*doc_positions(None, 1, seqlen, torch.device(device)))
     x = torch.randn(1, seqlen, args.hidden_size, device=device, dtype=dtype, requires_grad=True)
     out = {}
-    mask_row = "SparseMLA block, selection as a [T, T] mask (dsa_dense_max_len), no KL"
-    for name, stage, kl, dense_max, kernel in (("SparseMLA block, sparse + sparse KL", "sparse", "sparse", 0, "sdpa"),
-                                               ("SparseMLA block, sparse, no KL", "sparse", None, 0, "sdpa"),
-                                               (mask_row + ", SDPA", "sparse", None, seqlen, "sdpa"),
-                                               (mask_row + ", FlexAttention", "sparse", None, seqlen, "flex"),
-                                               ("SparseMLA block, dense warm-up + dense KL", "dense", "dense", 0,
-                                                "sdpa")):
-        if kernel == "flex" and device != "cuda":  # FlexAttention has no CPU backward
-            continue
+    for name, stage, kl, dense_max in (("SparseMLA block, sparse + sparse KL", "sparse", "sparse", 0),
+                                       ("SparseMLA block, sparse, no KL", "sparse", None, 0),
+                                       ("SparseMLA block, selection as a [T, T] mask (dsa_dense_max_len), no KL",
+                                        "sparse", None, seqlen),
+                                       ("SparseMLA block, dense warm-up + dense KL", "dense", "dense", 0)):
         with torch.device(device):
-            block = SparseMLA(args.replace(dsa_attention=stage, dsa_dense_max_len=dense_max,
-                                           dsa_masked_kernel=kernel))
+            block = SparseMLA(args.replace(dsa_attention=stage, dsa_dense_max_len=dense_max))
             block.init_weights()
         block.to(dtype)
 

@@ -64,7 +64,7 @@ from torchtitan_glm.components.metrics import flops_per_token
 from torchtitan_glm.config import Float8Config
 from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8
 from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs, get_flavor
-from torchtitan_glm.models.glm5.args import FLAVORS, MASKED_KERNELS
+from torchtitan_glm.models.glm5.args import FLAVORS
 from torchtitan_glm.models.glm5.hf_modeling import modeling_to_ours
 
 
@@ -256,13 +256,10 @@ def run_transformers(*, args: Glm5ModelArgs, flavor: str, seq_len: int, batch: i
     return row, weights
 
 
-def model_args(flavor: str, *, scope: str, tile_elements: int, dsa_dense_max_len: int | None = None,
-               dsa_masked_kernel: str | None = None) -> Glm5ModelArgs:
+def model_args(flavor: str, *, scope: str, tile_elements: int, dsa_dense_max_len: int | None = None) -> Glm5ModelArgs:
     args = get_flavor(flavor).replace(indexer_tile_elements=tile_elements)
     if dsa_dense_max_len is not None:
         args = args.replace(dsa_dense_max_len=dsa_dense_max_len)
-    if dsa_masked_kernel is not None:
-        args = args.replace(dsa_masked_kernel=dsa_masked_kernel)
     return args if scope == "train" else dataclasses.replace(args, num_nextn_predict_layers=0)
 
 
@@ -270,11 +267,10 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
             device: torch.device, dtype: torch.dtype, backend: str, scope: str, profile: bool, indexer_kl: str,
             docs: int, tile_elements: int, float8: str | None = None,
             weights: dict[str, torch.Tensor] | None = None, recompute_modules: tuple[str, ...] = (),
-            dsa_dense_max_len: int | None = None, dsa_masked_kernel: str | None = None,
-            memory_profile: bool = False, moe_chunk_tokens: int = 0, offload_inputs: bool = False) -> dict:
+            dsa_dense_max_len: int | None = None, memory_profile: bool = False, moe_chunk_tokens: int = 0,
+            offload_inputs: bool = False) -> dict:
     """One timed run of this repo's model; from `weights` (our names) when given, else from its own init."""
-    args = model_args(flavor, scope=scope, tile_elements=tile_elements, dsa_dense_max_len=dsa_dense_max_len,
-                      dsa_masked_kernel=dsa_masked_kernel)
+    args = model_args(flavor, scope=scope, tile_elements=tile_elements, dsa_dense_max_len=dsa_dense_max_len)
     train_scope = scope == "train"
     reset_host_peak()
     torch.manual_seed(0)
@@ -337,7 +333,6 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
                   peak_mem_gib=round(timed["peak"], 4), warmup_s=round(timed["warmup_s"], 1),
                   tflops=round(tps * flops_per_token(args, seq_len) / 1e12, 1), loss=timed["loss"],
                   tokens_sha1=digest(tokens), dsa_dense_max_len=args.dsa_dense_max_len,
-                  dsa_masked_kernel=args.dsa_masked_kernel,
                   moe_chunk_tokens=moe_chunk_tokens, offload_inputs=offloaded,
                   offloaded_gib_per_step=round(offloaded_gib, 3), host_peak_rss_gib=round(host_peak_rss_gib(), 2),
                   host_gib_after=host_memory_gib(device))
@@ -404,9 +399,6 @@ def main() -> None:
     p.add_argument("--dsa-dense-max-len", default="",
                    help="model.dsa_dense_max_len, comma-separated to time each (default: the flavor's); e.g. 0,6144 "
                         "times the sparse kernel and the short-row dense kernel side by side")
-    p.add_argument("--dsa-masked-kernel", default="",
-                   help="model.dsa_masked_kernel, comma-separated to time each (auto, sdpa, flex; default: auto, "
-                        "FlexAttention on CUDA under compile); e.g. sdpa,flex times the two short-row kernels")
     p.add_argument("--profile", action="store_true",
                    help="one more step per run under torch.profiler: its CUDA kernels (on CPU its ops) by total time")
     p.add_argument("--memory-profile", action="store_true",
@@ -453,10 +445,6 @@ def main() -> None:
         dense_max_lens = tuple(int(v) for v in a.dsa_dense_max_len.split(",")) if a.dsa_dense_max_len else (None,)
     except ValueError:
         p.error(f"--dsa-dense-max-len: comma-separated integers, got {a.dsa_dense_max_len!r}")
-    masked_kernels = tuple(a.dsa_masked_kernel.split(",")) if a.dsa_masked_kernel else (None,)
-    bad = [k for k in masked_kernels if k not in (None, *MASKED_KERNELS)]
-    if bad:
-        p.error(f"--dsa-masked-kernel: {bad[0]!r} is not one of {', '.join(MASKED_KERNELS)}")
     if a.memory_profile and not torch.cuda.is_available():
         p.error("--memory-profile records CUDA allocations (torch.cuda.memory): it needs CUDA and none is visible")
     if not torch.cuda.is_available() and a.flavor != "debug":
@@ -489,8 +477,7 @@ def main() -> None:
                 gc.collect()
                 torch.cuda.empty_cache()
             emit(reference)
-        for (mode, ac, fp8), dense_max, masked_kernel in ((run, dm, mk) for dm in dense_max_lens
-                                                          for mk in masked_kernels for run in runs):
+        for (mode, ac, fp8), dense_max in ((run, dm) for dm in dense_max_lens for run in runs):
             ac = auto_ac(seq_len) if ac == "auto" else ac
             try:
                 r = run_one(flavor=a.flavor, seq_len=seq_len, batch=a.batch, compiled=mode == "compiled", ac=ac,
@@ -498,7 +485,7 @@ def main() -> None:
                             backend=a.backend, scope=a.scope, profile=a.profile, indexer_kl=a.indexer_kl, docs=a.docs,
                             tile_elements=tile_elements, float8=a.float8_recipe if fp8 else None,
                             weights=weights, recompute_modules=recompute, dsa_dense_max_len=dense_max,
-                            dsa_masked_kernel=masked_kernel, memory_profile=a.memory_profile,
+                            memory_profile=a.memory_profile,
                             moe_chunk_tokens=a.moe_chunk_tokens, offload_inputs=a.offload_inputs)
             except torch.cuda.OutOfMemoryError as e:
                 r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=ac,
@@ -516,12 +503,10 @@ def main() -> None:
     kl = f", indexer KL {a.indexer_kl}, indexer tiles of {tile_elements} elements" if a.scope == "train" else ""
     print(f"scope: {a.scope}{kl}, {a.docs} document(s) per row\n")
     vs = " | speed / memory vs transformers" if a.against else ""
-    print(f"| T | mode | AC | float8 | DSA dense max | masked kernel | MoE chunk | step ms | tokens/s | TFLOP/s | "
-          f"peak GiB | warm-up s | loss{vs} |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-          + ("---|" if a.against else ""))
+    print(f"| T | mode | AC | float8 | DSA dense max | MoE chunk | step ms | tokens/s | TFLOP/s | peak GiB | warm-up s "
+          f"| loss{vs} |\n|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if a.against else ""))
     for r in rows:
-        options = (f"{r['float8']} | {r.get('dsa_dense_max_len', '')} | {r.get('dsa_masked_kernel', '')} | "
-                   f"{r.get('moe_chunk_tokens', '')}")
+        options = f"{r['float8']} | {r.get('dsa_dense_max_len', '')} | {r.get('moe_chunk_tokens', '')}"
         if "oom" in r:
             print(f"| {r['seq_len']:,} | {r['mode']} | {r['ac']} | {options} | OOM | | | | | |"
                   + (" |" if a.against else ""))

@@ -64,8 +64,6 @@ def _save_list() -> set:
     # The routed experts' grouped GEMMs are recomputed (module docstring): BF16 they run inside our custom op
     # (torchtitan_glm::grouped_mm, not listed); FP8 torchao's autograd function runs aten._scaled_grouped_mm,
     # left out here for the same choice.
-    if hasattr(torch.ops.higher_order, "flex_attention"):  # dsa_masked_kernel "flex", saved as SDPA is
-        ops.add(torch.ops.higher_order.flex_attention)
     if hasattr(torch.ops.aten, "_scaled_mm"):
         ops.add(torch.ops.aten._scaled_mm.default)
     for name in ("kda_fwd", "kda_cp_fwd", "sparse_mla_fwd", "kpool_topk", "indexer_kl_sparse", "indexer_kl_dense"):

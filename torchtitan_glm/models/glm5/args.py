@@ -15,13 +15,12 @@ DSA = "indexed_attention"
 _DSA_ALIASES = {"indexed_attention", "full_attention", "deepseek_sparse_attention"}
 _MLP_TYPES = {"dense", "sparse"}
 _INDEXER_TYPES = {"full", "shared"}
-MASKED_KERNELS = ("auto", "sdpa", "flex")  # ops/masked_attention.py
 
 
 # Glm5ModelArgs fields that are trainer-side choices, never written to or read from config.json.
 TRAINER_FIELDS = ("hc_head", "dsa_attention", "indexer_fp8_emulation", "mhc_fp32_mixing", "kpool_fp32_accumulate",
                   "indexer_weights_fp32", "indexer_k_norm_fp32", "kpool_ape_trainable", "indexer_tile_elements",
-                  "dsa_dense_max_len", "dsa_masked_kernel")
+                  "dsa_dense_max_len")
 
 
 class ModelArgsError(ValueError):
@@ -113,10 +112,6 @@ class Glm5ModelArgs:
     # The same function; at short T the dense kernel is faster (H200, one proxy DSA layer fwd+bwd: 0.55x the sparse
     # op's time at T = 4,096, 1.04x at 8,192; docs/performance.md). 0: always the sparse kernel.
     dsa_dense_max_len: int = 0
-    # The kernel of DSA attention under a [T, T] mask (the dense stage, rows <= dsa_dense_max_len;
-    # ops/masked_attention.py): "sdpa" computes every pair, "flex" (FlexAttention, CUDA) skips the mask's empty
-    # 128 x 128 tiles; "auto" = flex on CUDA under torch.compile, sdpa otherwise. The same function.
-    dsa_masked_kernel: str = "auto"
 
     def dense_dsa_kernel(self, seq_len: int) -> bool:
         """Whether DSA attention over rows of `seq_len` tokens runs dense masked SDPA (the dense warm-up stage, or
@@ -235,8 +230,6 @@ class Glm5ModelArgs:
             fail("indexer_tile_elements", f"must be >= 1, got {self.indexer_tile_elements}")
         if self.dsa_dense_max_len < 0:
             fail("dsa_dense_max_len", f"must be >= 0 (0: always the sparse kernel), got {self.dsa_dense_max_len}")
-        if self.dsa_masked_kernel not in MASKED_KERNELS:
-            fail("dsa_masked_kernel", f"must be one of {', '.join(MASKED_KERNELS)}, got {self.dsa_masked_kernel!r}")
         if self.hc_head not in ("mean", "learned"):
             fail("hc_head", f"must be 'mean' or 'learned', got {self.hc_head!r}")
         if self.dsa_attention not in ("sparse", "dense"):

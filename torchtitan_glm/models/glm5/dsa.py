@@ -24,7 +24,7 @@ from torchtitan_glm.distributed.collectives import all_gather_autograd, sum_grad
 from torchtitan_glm.ops.indexer_kl import indexer_kl_dense, indexer_kl_sparse
 from torchtitan_glm.ops.indexer_topk import kpool_topk, tile_rows
 from torchtitan_glm.ops.indexer_topk import _stable_topk as stable_topk  # the selection's tie rule, for decode
-from torchtitan_glm.ops.masked_attention import masked_attention, resolve_masked_kernel
+from torchtitan_glm.ops.masked_attention import masked_attention
 from torchtitan_glm.ops.sparse_mla import sparse_mla
 
 from .args import Glm5ModelArgs
@@ -313,7 +313,6 @@ class SparseMLA(nn.Module):
         self.scale = args.qk_head_dim**-0.5
         self.dense = args.dsa_attention == "dense"
         self.dense_dsa_kernel = args.dense_dsa_kernel
-        self.masked_kernel = args.dsa_masked_kernel
         self.init_std = args.initializer_range
         bias = args.attention_bias
         self.q_a_proj = nn.Linear(d, args.q_lora_rank, bias=bias)
@@ -398,8 +397,7 @@ class SparseMLA(nn.Module):
                 mask = causal_doc_mask(doc) if cp is None else _cp_causal_doc_mask(doc, full_doc, cp.positions)
             else:  # the selected set as a mask: the same function as the sparse kernel, at dense cost
                 mask = selection_mask(indices, full_doc.pos.shape[1])
-            out = masked_attention(q.transpose(1, 2), k, v, mask, scale=self.scale,
-                                   kernel=resolve_masked_kernel(self.masked_kernel, q.device)).transpose(1, 2)
+            out = masked_attention(q.transpose(1, 2), k, v, mask, scale=self.scale).transpose(1, 2)
         else:
             if self.heads_group is not None:  # the latent is replicated; each TP rank's heads add to its gradient
                 latent_all = sum_grad_over(latent_all, group=self.heads_group)
