@@ -1,6 +1,7 @@
 """One DSA layer's attention, forward + backward, on one GPU: the sparse op (absorbed MLA over K gathered latent
-tokens, ops/sparse_mla.py) against dense SDPA under the [T, T] selection mask (the path before issue 11) and dense
-causal SDPA (flash), at GLM-5.3-Flash's shapes (64 heads, qk = v = 256, latent 512, K = 2051).
+tokens, ops/sparse_mla.py) against dense SDPA under the [T, T] selection mask (the path before issue 11; in one call
+and in causal query chunks, ops/masked_attention.py) and dense causal SDPA (flash), at GLM-5.3-Flash's shapes
+(64 heads, qk = v = 256, latent 512, K = 2051).
 
     python scripts/bench_dsa.py                       # T = 32768
     python scripts/bench_dsa.py --seq-len 8192,32768 --layer
@@ -29,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from cuda_timing import median_ms
 
+from torchtitan_glm.ops.masked_attention import masked_keys_per_query
+
 H, QK, V, R = 64, 256, 256, 512
 
 
@@ -38,6 +41,8 @@ def attention_flops(seqlen: int, k: int) -> dict[str, float]:
     dense_per_pair = (8 * QK + 6 * V) * H
     return {"sparse op (absorbed, K gathered)": 14 * R * H * sparse_pairs,
             "dense SDPA, [T, T] mask": dense_per_pair * seqlen * seqlen,
+            **{f"dense SDPA, [T, T] mask, query chunks of {c}":
+               dense_per_pair * seqlen * masked_keys_per_query(seqlen, c) for c in (1024, 512)},
             "dense SDPA, causal": dense_per_pair * seqlen * (seqlen + 1) / 2}
 
 
@@ -54,6 +59,7 @@ def causal_selection(seqlen: int, k: int, device: str) -> torch.Tensor:
 
 
 def attention_variants(seqlen: int, k: int, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
+    from torchtitan_glm.ops.masked_attention import masked_attention
     from torchtitan_glm.ops.sparse_mla import sparse_mla
 
     idx = causal_selection(seqlen, k, device)
@@ -73,12 +79,19 @@ def attention_variants(seqlen: int, k: int, device: str = "cuda", dtype: torch.d
         out = F.scaled_dot_product_attention(q, kk, v, attn_mask=mask, scale=scale)
         torch.autograd.grad(out, (q, kk, v), torch.ones_like(out))
 
+    def chunked(rows):  # the same mask in causal query chunks (model.dsa_mask_query_chunk)
+        def run():
+            out = masked_attention(q, kk, v, mask[:, 0], scale=scale, causal_chunk=rows)
+            torch.autograd.grad(out, (q, kk, v), torch.ones_like(out))
+        return run
+
     def dense_causal():
         out = F.scaled_dot_product_attention(q, kk, v, is_causal=True, scale=scale)
         torch.autograd.grad(out, (q, kk, v), torch.ones_like(out))
 
     return {"sparse op (absorbed, K gathered)": sparse, "dense SDPA, [T, T] mask": dense_masked,
-            "dense SDPA, causal": dense_causal}
+            "dense SDPA, [T, T] mask, query chunks of 1024": chunked(1024),
+            "dense SDPA, [T, T] mask, query chunks of 512": chunked(512), "dense SDPA, causal": dense_causal}
 
 
 def layer_variants(seqlen: int, device: str = "cuda", flavor: str = "glm5_3_flash_proxy",

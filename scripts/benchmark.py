@@ -256,10 +256,13 @@ def run_transformers(*, args: Glm5ModelArgs, flavor: str, seq_len: int, batch: i
     return row, weights
 
 
-def model_args(flavor: str, *, scope: str, tile_elements: int, dsa_dense_max_len: int | None = None) -> Glm5ModelArgs:
+def model_args(flavor: str, *, scope: str, tile_elements: int, dsa_dense_max_len: int | None = None,
+               dsa_mask_query_chunk: int | None = None) -> Glm5ModelArgs:
     args = get_flavor(flavor).replace(indexer_tile_elements=tile_elements)
     if dsa_dense_max_len is not None:
         args = args.replace(dsa_dense_max_len=dsa_dense_max_len)
+    if dsa_mask_query_chunk is not None:
+        args = args.replace(dsa_mask_query_chunk=dsa_mask_query_chunk)
     return args if scope == "train" else dataclasses.replace(args, num_nextn_predict_layers=0)
 
 
@@ -267,10 +270,11 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
             device: torch.device, dtype: torch.dtype, backend: str, scope: str, profile: bool, indexer_kl: str,
             docs: int, tile_elements: int, float8: str | None = None,
             weights: dict[str, torch.Tensor] | None = None, recompute_modules: tuple[str, ...] = (),
-            dsa_dense_max_len: int | None = None, memory_profile: bool = False, moe_chunk_tokens: int = 0,
-            offload_inputs: bool = False) -> dict:
+            dsa_dense_max_len: int | None = None, dsa_mask_query_chunk: int | None = None,
+            memory_profile: bool = False, moe_chunk_tokens: int = 0, offload_inputs: bool = False) -> dict:
     """One timed run of this repo's model; from `weights` (our names) when given, else from its own init."""
-    args = model_args(flavor, scope=scope, tile_elements=tile_elements, dsa_dense_max_len=dsa_dense_max_len)
+    args = model_args(flavor, scope=scope, tile_elements=tile_elements, dsa_dense_max_len=dsa_dense_max_len,
+                      dsa_mask_query_chunk=dsa_mask_query_chunk)
     train_scope = scope == "train"
     reset_host_peak()
     torch.manual_seed(0)
@@ -333,6 +337,7 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
                   peak_mem_gib=round(timed["peak"], 4), warmup_s=round(timed["warmup_s"], 1),
                   tflops=round(tps * flops_per_token(args, seq_len) / 1e12, 1), loss=timed["loss"],
                   tokens_sha1=digest(tokens), dsa_dense_max_len=args.dsa_dense_max_len,
+                  dsa_mask_query_chunk=args.dsa_mask_query_chunk,
                   moe_chunk_tokens=moe_chunk_tokens, offload_inputs=offloaded,
                   offloaded_gib_per_step=round(offloaded_gib, 3), host_peak_rss_gib=round(host_peak_rss_gib(), 2),
                   host_gib_after=host_memory_gib(device))
@@ -399,6 +404,9 @@ def main() -> None:
     p.add_argument("--dsa-dense-max-len", default="",
                    help="model.dsa_dense_max_len, comma-separated to time each (default: the flavor's); e.g. 0,6144 "
                         "times the sparse kernel and the short-row dense kernel side by side")
+    p.add_argument("--dsa-mask-query-chunk", default="",
+                   help="model.dsa_mask_query_chunk, comma-separated to time each (default: the flavor's); e.g. "
+                        "0,1024 times masked SDPA in one call and in causal query chunks of 1,024 rows")
     p.add_argument("--profile", action="store_true",
                    help="one more step per run under torch.profiler: its CUDA kernels (on CPU its ops) by total time")
     p.add_argument("--memory-profile", action="store_true",
@@ -445,6 +453,13 @@ def main() -> None:
         dense_max_lens = tuple(int(v) for v in a.dsa_dense_max_len.split(",")) if a.dsa_dense_max_len else (None,)
     except ValueError:
         p.error(f"--dsa-dense-max-len: comma-separated integers, got {a.dsa_dense_max_len!r}")
+    try:
+        mask_chunks = (tuple(int(v) for v in a.dsa_mask_query_chunk.split(",")) if a.dsa_mask_query_chunk
+                       else (None,))
+    except ValueError:
+        p.error(f"--dsa-mask-query-chunk: comma-separated integers, got {a.dsa_mask_query_chunk!r}")
+    if any(c is not None and c < 0 for c in mask_chunks):
+        p.error(f"--dsa-mask-query-chunk: must be >= 0 (0: one call), got {a.dsa_mask_query_chunk!r}")
     if a.memory_profile and not torch.cuda.is_available():
         p.error("--memory-profile records CUDA allocations (torch.cuda.memory): it needs CUDA and none is visible")
     if not torch.cuda.is_available() and a.flavor != "debug":
@@ -477,7 +492,8 @@ def main() -> None:
                 gc.collect()
                 torch.cuda.empty_cache()
             emit(reference)
-        for (mode, ac, fp8), dense_max in ((run, dm) for dm in dense_max_lens for run in runs):
+        for (mode, ac, fp8), dense_max, mask_chunk in ((run, dm, mc) for dm in dense_max_lens
+                                                       for mc in mask_chunks for run in runs):
             ac = auto_ac(seq_len) if ac == "auto" else ac
             try:
                 r = run_one(flavor=a.flavor, seq_len=seq_len, batch=a.batch, compiled=mode == "compiled", ac=ac,
@@ -485,7 +501,7 @@ def main() -> None:
                             backend=a.backend, scope=a.scope, profile=a.profile, indexer_kl=a.indexer_kl, docs=a.docs,
                             tile_elements=tile_elements, float8=a.float8_recipe if fp8 else None,
                             weights=weights, recompute_modules=recompute, dsa_dense_max_len=dense_max,
-                            memory_profile=a.memory_profile,
+                            dsa_mask_query_chunk=mask_chunk, memory_profile=a.memory_profile,
                             moe_chunk_tokens=a.moe_chunk_tokens, offload_inputs=a.offload_inputs)
             except torch.cuda.OutOfMemoryError as e:
                 r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=ac,
@@ -503,10 +519,12 @@ def main() -> None:
     kl = f", indexer KL {a.indexer_kl}, indexer tiles of {tile_elements} elements" if a.scope == "train" else ""
     print(f"scope: {a.scope}{kl}, {a.docs} document(s) per row\n")
     vs = " | speed / memory vs transformers" if a.against else ""
-    print(f"| T | mode | AC | float8 | DSA dense max | MoE chunk | step ms | tokens/s | TFLOP/s | peak GiB | warm-up s "
-          f"| loss{vs} |\n|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if a.against else ""))
+    print(f"| T | mode | AC | float8 | DSA dense max | mask query chunk | MoE chunk | step ms | tokens/s | TFLOP/s | "
+          f"peak GiB | warm-up s | loss{vs} |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+          + ("---|" if a.against else ""))
     for r in rows:
-        options = f"{r['float8']} | {r.get('dsa_dense_max_len', '')} | {r.get('moe_chunk_tokens', '')}"
+        options = (f"{r['float8']} | {r.get('dsa_dense_max_len', '')} | {r.get('dsa_mask_query_chunk', '')} | "
+                   f"{r.get('moe_chunk_tokens', '')}")
         if "oom" in r:
             print(f"| {r['seq_len']:,} | {r['mode']} | {r['ac']} | {options} | OOM | | | | | |"
                   + (" |" if a.against else ""))

@@ -114,7 +114,7 @@ def test_bench_dsa_variants_run_on_cpu(monkeypatch):
     assert ((idx <= t) | (idx == -1)).all() and (idx[0, 30] >= 0).all() and (idx[0, 5] >= 0).sum() == 6
     variants = {**bench.attention_variants(40, 19, device="cpu", dtype=torch.float32),
                 **bench.layer_variants(32, device="cpu", flavor="debug", dtype=torch.float32)}
-    assert len(variants) == 7
+    assert len(variants) == 9
     for fn in variants.values():
         fn()
     # FLOPs per fwd + bwd: 4 queries with K = 2 attend 1 + 2 + 2 + 2 latent tokens; dense: 16 and 10 pairs

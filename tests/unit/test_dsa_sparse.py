@@ -145,16 +145,17 @@ def test_selective_checkpoint_keeps_indexer_ops(mode, runs):
     assert rec.calls["sparse_mla_bwd"] == 1
 
 
-@pytest.mark.parametrize("kl", [None, "sparse", "dense"])
-def test_dense_kernel_at_short_rows_is_the_sparse_function(kl):
+@pytest.mark.parametrize("kl,chunk", [(None, 0), ("sparse", 0), ("dense", 0), (None, 40), ("sparse", 40)])
+def test_dense_kernel_at_short_rows_is_the_sparse_function(kl, chunk):
     """Rows of at most dsa_dense_max_len tokens attend the selection through masked SDPA (a [T, T] mask made from
-    the indices): the same output, selection, KL and gradients as the sparse kernel (fp32), and only there."""
+    the indices), in one call or in query chunks (dsa_mask_query_chunk; 96 rows = 40 + 40 + 16): the same output,
+    selection, KL and gradients as the sparse kernel (fp32), and only there."""
     seqlen = 96
     doc = _doc(seqlen, bsz=2)
     x = torch.randn(2, seqlen, 64, dtype=torch.float64).float()
     results = {}
     for max_len in (0, seqlen):
-        attn = _attn(seed=3, dsa_dense_max_len=max_len)
+        attn = _attn(seed=3, dsa_dense_max_len=max_len, dsa_mask_query_chunk=chunk)
         xi = x.clone().requires_grad_()
         with LargestTensor() as rec:
             out, indices, stats = attn(xi, _batch(doc, kl))

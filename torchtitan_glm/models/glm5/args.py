@@ -20,7 +20,7 @@ _INDEXER_TYPES = {"full", "shared"}
 # Glm5ModelArgs fields that are trainer-side choices, never written to or read from config.json.
 TRAINER_FIELDS = ("hc_head", "dsa_attention", "indexer_fp8_emulation", "mhc_fp32_mixing", "kpool_fp32_accumulate",
                   "indexer_weights_fp32", "indexer_k_norm_fp32", "kpool_ape_trainable", "indexer_tile_elements",
-                  "dsa_dense_max_len")
+                  "dsa_dense_max_len", "dsa_mask_query_chunk")
 
 
 class ModelArgsError(ValueError):
@@ -112,6 +112,9 @@ class Glm5ModelArgs:
     # The same function; at short T the dense kernel is faster (H200, one proxy DSA layer fwd+bwd: 0.55x the sparse
     # op's time at T = 4,096, 1.04x at 8,192; docs/performance.md). 0: always the sparse kernel.
     dsa_dense_max_len: int = 0
+    # That masked SDPA (and the dense stage's) in query chunks of this many rows, each over the keys up to its last
+    # query: (n + 1) / (2n) of the T x T pairs for n chunks, the same function (ops/masked_attention.py). 0: one call.
+    dsa_mask_query_chunk: int = 1024
 
     def dense_dsa_kernel(self, seq_len: int) -> bool:
         """Whether DSA attention over rows of `seq_len` tokens runs dense masked SDPA (the dense warm-up stage, or
@@ -230,6 +233,8 @@ class Glm5ModelArgs:
             fail("indexer_tile_elements", f"must be >= 1, got {self.indexer_tile_elements}")
         if self.dsa_dense_max_len < 0:
             fail("dsa_dense_max_len", f"must be >= 0 (0: always the sparse kernel), got {self.dsa_dense_max_len}")
+        if self.dsa_mask_query_chunk < 0:
+            fail("dsa_mask_query_chunk", f"must be >= 0 (0: one masked SDPA call), got {self.dsa_mask_query_chunk}")
         if self.hc_head not in ("mean", "learned"):
             fail("hc_head", f"must be 'mean' or 'learned', got {self.hc_head!r}")
         if self.dsa_attention not in ("sparse", "dense"):

@@ -313,6 +313,7 @@ class SparseMLA(nn.Module):
         self.scale = args.qk_head_dim**-0.5
         self.dense = args.dsa_attention == "dense"
         self.dense_dsa_kernel = args.dense_dsa_kernel
+        self.mask_query_chunk = args.dsa_mask_query_chunk
         self.init_std = args.initializer_range
         bias = args.attention_bias
         self.q_a_proj = nn.Linear(d, args.q_lora_rank, bias=bias)
@@ -397,7 +398,9 @@ class SparseMLA(nn.Module):
                 mask = causal_doc_mask(doc) if cp is None else _cp_causal_doc_mask(doc, full_doc, cp.positions)
             else:  # the selected set as a mask: the same function as the sparse kernel, at dense cost
                 mask = selection_mask(indices, full_doc.pos.shape[1])
-            out = masked_attention(q.transpose(1, 2), k, v, mask, scale=self.scale).transpose(1, 2)
+            # a context-parallel rank's queries are not the row's first ones: one call
+            chunk = self.mask_query_chunk if cp is None else 0
+            out = masked_attention(q.transpose(1, 2), k, v, mask, scale=self.scale, causal_chunk=chunk).transpose(1, 2)
         else:
             if self.heads_group is not None:  # the latent is replicated; each TP rank's heads add to its gradient
                 latent_all = sum_grad_over(latent_all, group=self.heads_group)
