@@ -41,8 +41,9 @@ def test_compiled_matches_eager(ac_mode, sparse_kl):
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counter.frame_count == 5, f"{counter.frame_count} graphs (expected one per block kind)"
     checkpointed = [AC_OP in op_histogram(gm) for gm in counter.graphs]
-    if ac_mode == "none":
-        assert not any(checkpointed)
+    if ac_mode == "none":  # only the KDA blocks' three short convs (short_conv.py: saved as their BF16 input)
+        regions = sorted(op_histogram(gm).get(AC_OP, 0) for gm in counter.graphs)
+        assert regions == [0, 0, 0, 3, 3], regions
     else:  # every decoder/MTP graph holds its body as a checkpointed region; the LM head is not wrapped
         assert sum(checkpointed) == counter.frame_count - 1, f"checkpointed graphs: {checkpointed}"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .layers import at_least_fp32, bwd_chunks
 
@@ -108,4 +109,10 @@ def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, pos_in_doc: torch.Te
     FP32, cast to x's dtype. pos_in_doc [B, T]: a tap reaching into the previous document reads zero (None: one
     document per row). halo [B, P, W-1, C]: the local T holds P slots, each preceded by its halo rows (context
     parallelism, decode)."""
+    if torch.compiler.is_compiling() and torch.is_grad_enabled():
+        # AOTAutograd's partitioner would keep three FP32 [B, T, C] intermediates of the forward for the backward,
+        # 12 bytes per channel and token where x is 2 (0.94 GiB per proxy KDA layer at T = 4,096), rather than have
+        # the backward recompute them from x; a checkpointed region saves only its inputs
+        # (tests/unit/test_short_conv.py reads the saved tensors)
+        return checkpoint(_CausalConvSilu.apply, x, weight, pos_in_doc, halo, use_reentrant=False)
     return _CausalConvSilu.apply(x, weight, pos_in_doc, halo)
