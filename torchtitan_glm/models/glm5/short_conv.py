@@ -48,6 +48,14 @@ def _pre_activation(xf: torch.Tensor, w: torch.Tensor, halo: torch.Tensor | None
     return out
 
 
+def _conv_silu(x: torch.Tensor, weight: torch.Tensor, pos_in_doc: torch.Tensor | None,
+               halo: torch.Tensor | None) -> torch.Tensor:
+    """The forward expression: silu(pre-activation) in FP32, cast to x's dtype."""
+    xf = at_least_fp32(x)
+    pre = _pre_activation(xf, at_least_fp32(weight), halo, _masks(pos_in_doc, weight.shape[1], xf.dtype))
+    return F.silu(pre).to(x.dtype)
+
+
 class _CausalConvSilu(torch.autograd.Function):
     """silu(conv(x)) that saves x (BF16 in training), the weight, the positions and the halo.
 
@@ -59,10 +67,8 @@ class _CausalConvSilu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, pos_in_doc: torch.Tensor | None,
                 halo: torch.Tensor | None) -> torch.Tensor:
-        xf = at_least_fp32(x)
-        pre = _pre_activation(xf, at_least_fp32(weight), halo, _masks(pos_in_doc, weight.shape[1], xf.dtype))
         ctx.save_for_backward(x, weight, pos_in_doc, halo)
-        return F.silu(pre).to(x.dtype)
+        return _conv_silu(x, weight, pos_in_doc, halo)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -110,9 +116,10 @@ def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, pos_in_doc: torch.Te
     document per row). halo [B, P, W-1, C]: the local T holds P slots, each preceded by its halo rows (context
     parallelism, decode)."""
     if torch.compiler.is_compiling() and torch.is_grad_enabled():
-        # AOTAutograd's partitioner would keep three FP32 [B, T, C] intermediates of the forward for the backward,
-        # 12 bytes per channel and token where x is 2 (0.94 GiB per proxy KDA layer at T = 4,096), rather than have
-        # the backward recompute them from x; a checkpointed region saves only its inputs
-        # (tests/unit/test_short_conv.py reads the saved tensors)
-        return checkpoint(_CausalConvSilu.apply, x, weight, pos_in_doc, halo, use_reentrant=False)
+        # Compiled, AOTAutograd's partitioner keeps three FP32 [B, T, C] intermediates of the Function for its
+        # backward, 12 bytes per channel and token where x is 2 (1.1 GiB per proxy KDA layer at T = 4,096,
+        # measured on an H200), instead of recomputing them from x. The plain expression in a checkpointed region
+        # saves only its inputs, under torch 2.11 and 2.13 alike; the Function in one does not under 2.11.
+        # (tests/unit/test_short_conv.py reads the saved tensors.)
+        return checkpoint(_conv_silu, x, weight, pos_in_doc, halo, use_reentrant=False)
     return _CausalConvSilu.apply(x, weight, pos_in_doc, halo)
