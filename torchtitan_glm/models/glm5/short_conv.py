@@ -1,5 +1,6 @@
 """The KDA short conv's math: depthwise causal conv + SiLU in FP32, restarted at document boundaries, as an autograd
-Function that keeps its input in its own dtype for backward and recomputes the rest."""
+Function that keeps its input in its own dtype for backward and recomputes the rest; under torch.compile, as the
+plain expression in a checkpointed region, which saves the same."""
 
 from __future__ import annotations
 
