@@ -259,3 +259,15 @@ def test_against_transformers_losses_agree_exactly_without_indexer_ties(monkeypa
                          device=cpu, dtype=torch.float32, backend="inductor", scope="reference", profile=False,
                          indexer_kl="dense", docs=1, tile_elements=tile, weights=weights)
     assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+
+
+def test_saved_activations_lists_what_the_kda_block_keeps():
+    """scripts/saved_activations.py on CPU (debug flavor): both forms listed, and the compiled block keeps no FP32
+    tensor of the KDA width [1, T, heads x head_dim] (the short convs' inputs are saved in BF16)."""
+    proc = _run("scripts/saved_activations.py", "--flavor", "debug", "--seq-len", "256", "--min-mib", "0.01")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = {ln.split(":")[0]: ln for ln in proc.stdout.splitlines() if ln.startswith(("eager:", "compiled:"))}
+    assert set(lines) == {"eager", "compiled"}, proc.stdout
+    assert "[1, 256, 64] float32" not in lines["compiled"], lines["compiled"]
+    bad = _run("scripts/saved_activations.py", "--seq-len", "0")
+    assert bad.returncode == 2 and "--seq-len" in bad.stderr
