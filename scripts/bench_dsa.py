@@ -107,7 +107,8 @@ def layer_variants(seqlen: int, device: str = "cuda", flavor: str = "glm5_3_flas
     out = {}
     for name, stage, kl, dense_max in (("SparseMLA block, sparse + sparse KL", "sparse", "sparse", 0),
                                        ("SparseMLA block, sparse, no KL", "sparse", None, 0),
-                                       ("SparseMLA block, selection as a [T, T] mask (dsa_dense_max_len), no KL",
+                                       ("SparseMLA block, selection as a [T, T] mask (dsa_dense_max_len), "
+                                        f"query chunks of {args.dsa_mask_query_chunk}, no KL",
                                         "sparse", None, seqlen),
                                        ("SparseMLA block, dense warm-up + dense KL", "dense", "dense", 0)):
         with torch.device(device):

@@ -453,6 +453,8 @@ def main() -> None:
         dense_max_lens = tuple(int(v) for v in a.dsa_dense_max_len.split(",")) if a.dsa_dense_max_len else (None,)
     except ValueError:
         p.error(f"--dsa-dense-max-len: comma-separated integers, got {a.dsa_dense_max_len!r}")
+    if any(v is not None and v < 0 for v in dense_max_lens):
+        p.error(f"--dsa-dense-max-len: must be >= 0 (0: always the sparse kernel), got {a.dsa_dense_max_len!r}")
     try:
         mask_chunks = (tuple(int(v) for v in a.dsa_mask_query_chunk.split(",")) if a.dsa_mask_query_chunk
                        else (None,))
@@ -506,7 +508,7 @@ def main() -> None:
             except torch.cuda.OutOfMemoryError as e:
                 r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=ac,
                          float8=a.float8_recipe if fp8 else "off", moe_chunk_tokens=a.moe_chunk_tokens,
-                         oom=str(e).split(".")[0])
+                         dsa_dense_max_len=dense_max, dsa_mask_query_chunk=mask_chunk, oom=str(e).split(".")[0])
             if "oom" in r:  # outside the handler: its traceback no longer holds the model
                 gc.collect()
                 torch.cuda.empty_cache()
