@@ -153,7 +153,9 @@ def _kda(t: _Terms, regime: str) -> None:
         t.fixed("kda", 3 * c.batch * 2 * (w - 1) * hk * a / c.tp)
         t.tok("kda", 8)
     if regime == "compiled":
-        t.tok("kda", 3 * hk * a + 3 * hk * a  # projections (the convs' inputs: short_conv.py) and conv outputs
+        # the projections, the convs' inputs: the convs run in checkpointed regions (short_conv.py), so their
+        # outputs, the KDA op's q, k, v, are recomputed from these in backward rather than kept
+        t.tok("kda", 3 * hk * a
               + 4 * hk + 4 * hk * a  # decay (FP32); f_b, KDA output, g_b, o_norm output
               + 4 * h + h * a, heads=True)  # o_norm rsqrt, beta
         t.tok("kda", 2 * k * a + 8)  # f_a/g_a outputs, positions (the convs recompute their tap masks)
