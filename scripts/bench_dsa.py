@@ -42,7 +42,9 @@ def attention_flops(seqlen: int, k: int) -> dict[str, float]:
     return {"sparse op (absorbed, K gathered)": 14 * R * H * sparse_pairs,
             "dense SDPA, [T, T] mask": dense_per_pair * seqlen * seqlen,
             **{f"dense SDPA, [T, T] mask, query chunks of {c}":
-               dense_per_pair * seqlen * masked_keys_per_query(seqlen, c) for c in (1024, 512)},
+               dense_per_pair * seqlen * masked_keys_per_query(seqlen, c)[0] for c in (1024, 512)},
+            f"dense SDPA, first {k} rows causal, then [T, T] mask in query chunks of 1024":
+               dense_per_pair * seqlen * sum(masked_keys_per_query(seqlen, 1024, k)),
             "dense SDPA, causal": dense_per_pair * seqlen * (seqlen + 1) / 2}
 
 
@@ -85,13 +87,19 @@ def attention_variants(seqlen: int, k: int, device: str = "cuda", dtype: torch.d
             torch.autograd.grad(out, (q, kk, v), torch.ones_like(out))
         return run
 
+    def causal_rows_then_chunks():  # one document: the first k rows select their whole past (causal_rows)
+        out = masked_attention(q, kk, v, mask[:, 0], scale=scale, causal_chunk=1024, causal_rows=k)
+        torch.autograd.grad(out, (q, kk, v), torch.ones_like(out))
+
     def dense_causal():
         out = F.scaled_dot_product_attention(q, kk, v, is_causal=True, scale=scale)
         torch.autograd.grad(out, (q, kk, v), torch.ones_like(out))
 
     return {"sparse op (absorbed, K gathered)": sparse, "dense SDPA, [T, T] mask": dense_masked,
             "dense SDPA, [T, T] mask, query chunks of 1024": chunked(1024),
-            "dense SDPA, [T, T] mask, query chunks of 512": chunked(512), "dense SDPA, causal": dense_causal}
+            "dense SDPA, [T, T] mask, query chunks of 512": chunked(512),
+            f"dense SDPA, first {k} rows causal, then [T, T] mask in query chunks of 1024": causal_rows_then_chunks,
+            "dense SDPA, causal": dense_causal}
 
 
 def layer_variants(seqlen: int, device: str = "cuda", flavor: str = "glm5_3_flash_proxy",
@@ -105,14 +113,20 @@ def layer_variants(seqlen: int, device: str = "cuda", flavor: str = "glm5_3_flas
     doc = DocLayout(*doc_positions(None, 1, seqlen, torch.device(device)))
     x = torch.randn(1, seqlen, args.hidden_size, device=device, dtype=dtype, requires_grad=True)
     out = {}
-    for name, stage, kl, dense_max in (("SparseMLA block, sparse + sparse KL", "sparse", "sparse", 0),
-                                       ("SparseMLA block, sparse, no KL", "sparse", None, 0),
-                                       ("SparseMLA block, selection as a [T, T] mask (dsa_dense_max_len), "
-                                        f"query chunks of {args.dsa_mask_query_chunk}, no KL",
-                                        "sparse", None, seqlen),
-                                       ("SparseMLA block, dense warm-up + dense KL", "dense", "dense", 0)):
+    masked = (f"SparseMLA block, selection as a [T, T] mask (dsa_dense_max_len), query chunks of "
+              f"{args.dsa_mask_query_chunk}")
+    # one document per row (no doc_ids): the masked forms run their plain causal rows without the mask
+    # (model.dsa_mask_causal_rows): the selection's first rows, the whole dense stage
+    for name, stage, kl, dense_max, causal_rows in (
+            ("SparseMLA block, sparse + sparse KL", "sparse", "sparse", 0, True),
+            ("SparseMLA block, sparse, no KL", "sparse", None, 0, True),
+            (f"{masked}, no KL", "sparse", None, seqlen, False),
+            (f"{masked} after the first rows causal, no KL", "sparse", None, seqlen, True),
+            ("SparseMLA block, dense warm-up (causal mask) + dense KL", "dense", "dense", 0, False),
+            ("SparseMLA block, dense warm-up (causal kernel, no mask) + dense KL", "dense", "dense", 0, True)):
         with torch.device(device):
-            block = SparseMLA(args.replace(dsa_attention=stage, dsa_dense_max_len=dense_max))
+            block = SparseMLA(args.replace(dsa_attention=stage, dsa_dense_max_len=dense_max,
+                                           dsa_mask_causal_rows=causal_rows))
             block.init_weights()
         block.to(dtype)
 

@@ -4,7 +4,9 @@ checkpointing, on one device; optionally swept over sequence lengths.
     python scripts/benchmark.py --flavor glm5_3_flash_proxy --seq-len 4096 --runs eager:none,compiled:none,eager:full,compiled:full
     python scripts/benchmark.py --seq-len sweep --runs compiled:auto      # T = 4K ... 128K, the AC each T needs
 
-Weights are BF16, no FSDP, no optimizer; one row of `--docs` packed documents. `--scope train` is the trainer's
+Weights are BF16, no FSDP, no optimizer; one row of `--docs` packed documents, passed as train.py passes them (their
+ids with a host copy), or with `--docs 1` (the default) no ids, one document per row, where DSA's plain causal rows
+run without a mask (`--dsa-mask-causal-rows off` keeps the mask). `--scope train` is the trainer's
 loss: fused CE + MTP layer + the indexer KL, over every visible pool (`--indexer-kl dense`, the default: the dense
 warm-up's form and the sparse stage's with loss.indexer_sparse_loss = false; its dense attention target costs
 O(T^2) FP32 work per DSA layer) or over the selected pools (`--indexer-kl sparse`, loss.indexer_sparse_loss = true:
@@ -65,6 +67,7 @@ from torchtitan_glm.config import Float8Config
 from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8
 from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs, get_flavor
 from torchtitan_glm.models.glm5.args import FLAVORS
+from torchtitan_glm.models.glm5.batch import train_batch
 from torchtitan_glm.models.glm5.hf_modeling import modeling_to_ours
 
 
@@ -257,8 +260,8 @@ def run_transformers(*, args: Glm5ModelArgs, flavor: str, seq_len: int, batch: i
 
 
 def model_args(flavor: str, *, scope: str, tile_elements: int, dsa_dense_max_len: int | None = None,
-               dsa_mask_query_chunk: int | None = None) -> Glm5ModelArgs:
-    args = get_flavor(flavor).replace(indexer_tile_elements=tile_elements)
+               dsa_mask_query_chunk: int | None = None, dsa_mask_causal_rows: bool = True) -> Glm5ModelArgs:
+    args = get_flavor(flavor).replace(indexer_tile_elements=tile_elements, dsa_mask_causal_rows=dsa_mask_causal_rows)
     if dsa_dense_max_len is not None:
         args = args.replace(dsa_dense_max_len=dsa_dense_max_len)
     if dsa_mask_query_chunk is not None:
@@ -271,10 +274,11 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
             docs: int, tile_elements: int, float8: str | None = None,
             weights: dict[str, torch.Tensor] | None = None, recompute_modules: tuple[str, ...] = (),
             dsa_dense_max_len: int | None = None, dsa_mask_query_chunk: int | None = None,
-            memory_profile: bool = False, moe_chunk_tokens: int = 0, offload_inputs: bool = False) -> dict:
+            dsa_mask_causal_rows: bool = True, memory_profile: bool = False, moe_chunk_tokens: int = 0,
+            offload_inputs: bool = False) -> dict:
     """One timed run of this repo's model; from `weights` (our names) when given, else from its own init."""
     args = model_args(flavor, scope=scope, tile_elements=tile_elements, dsa_dense_max_len=dsa_dense_max_len,
-                      dsa_mask_query_chunk=dsa_mask_query_chunk)
+                      dsa_mask_query_chunk=dsa_mask_query_chunk, dsa_mask_causal_rows=dsa_mask_causal_rows)
     train_scope = scope == "train"
     reset_host_peak()
     torch.manual_seed(0)
@@ -296,9 +300,13 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
     tokens, labels, doc_ids = make_inputs(vocab=args.vocab_size, seq_len=seq_len, batch=batch, docs=docs,
                                           device=device)
     n = int((labels != -100).sum())  # the loss is the mean CE over the counted tokens
+    # the batch as callers give it: one document per row, no ids (as transformers is called); packed documents,
+    # their ids with the loader's host copy, as train.py passes them (the KDA op then reads no device value)
+    batch_in = train_batch(tokens, labels, None) if docs == 1 else train_batch(tokens, labels, doc_ids,
+                                                                                  host_doc_ids=doc_ids.cpu())
 
     def step() -> torch.Tensor:
-        out = model(tokens, doc_ids=doc_ids, labels=labels, token_scale=1.0 / n,
+        out = model(batch_in, token_scale=1.0 / n,
                     mtp_scale=0.1 / n if train_scope else 0.0, indexer_kl=indexer_kl if train_scope else None)
         loss = (out.loss + indexer_kl_loss(out.indexer_stats)) if train_scope else out.loss
         loss.backward()
@@ -338,6 +346,7 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
                   tflops=round(tps * flops_per_token(args, seq_len) / 1e12, 1), loss=timed["loss"],
                   tokens_sha1=digest(tokens), dsa_dense_max_len=args.dsa_dense_max_len,
                   dsa_mask_query_chunk=args.dsa_mask_query_chunk,
+                  dsa_mask_causal_rows=args.dsa_mask_causal_rows and docs == 1,
                   moe_chunk_tokens=moe_chunk_tokens, offload_inputs=offloaded,
                   offloaded_gib_per_step=round(offloaded_gib, 3), host_peak_rss_gib=round(host_peak_rss_gib(), 2),
                   host_gib_after=host_memory_gib(device))
@@ -407,6 +416,9 @@ def main() -> None:
     p.add_argument("--dsa-mask-query-chunk", default="",
                    help="model.dsa_mask_query_chunk, comma-separated to time each (default: the flavor's); e.g. "
                         "0,1024 times masked SDPA in one call and in causal query chunks of 1,024 rows")
+    p.add_argument("--dsa-mask-causal-rows", choices=["on", "off"], default="on",
+                   help="model.dsa_mask_causal_rows: with one document per row, the DSA rows whose mask is plain "
+                        "causal run SDPA's causal kernel without the mask (off: under the mask, as before)")
     p.add_argument("--profile", action="store_true",
                    help="one more step per run under torch.profiler: its CUDA kernels (on CPU its ops) by total time")
     p.add_argument("--memory-profile", action="store_true",
@@ -503,7 +515,8 @@ def main() -> None:
                             backend=a.backend, scope=a.scope, profile=a.profile, indexer_kl=a.indexer_kl, docs=a.docs,
                             tile_elements=tile_elements, float8=a.float8_recipe if fp8 else None,
                             weights=weights, recompute_modules=recompute, dsa_dense_max_len=dense_max,
-                            dsa_mask_query_chunk=mask_chunk, memory_profile=a.memory_profile,
+                            dsa_mask_query_chunk=mask_chunk, dsa_mask_causal_rows=a.dsa_mask_causal_rows == "on",
+                            memory_profile=a.memory_profile,
                             moe_chunk_tokens=a.moe_chunk_tokens, offload_inputs=a.offload_inputs)
             except torch.cuda.OutOfMemoryError as e:
                 r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=ac,
@@ -519,7 +532,8 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"\n{name}, torch {torch.__version__}\n")
     kl = f", indexer KL {a.indexer_kl}, indexer tiles of {tile_elements} elements" if a.scope == "train" else ""
-    print(f"scope: {a.scope}{kl}, {a.docs} document(s) per row\n")
+    causal = f", DSA plain causal rows {a.dsa_mask_causal_rows}" if a.docs == 1 else ""
+    print(f"scope: {a.scope}{kl}, {a.docs} document(s) per row{causal}\n")
     vs = " | speed / memory vs transformers" if a.against else ""
     print(f"| T | mode | AC | float8 | DSA dense max | mask query chunk | MoE chunk | step ms | tokens/s | TFLOP/s | "
           f"peak GiB | warm-up s | loss{vs} |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"

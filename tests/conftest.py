@@ -1,7 +1,8 @@
 """Test-wide setup: quiet torchao's CUDA-extension loading on CPU machines before anything imports it; without CUDA,
 hide FLA from transformers (its Triton KDA kernels cannot run on CPU tensors, and transformers picks them whenever
 `fla` imports, e.g. on a CPU machine that has triton installed) so the reference takes its torch path. The
-`world_of_one` fixture: a one-rank torchrun environment for tests that build the trainer in-process."""
+`world_of_one` fixture: a one-rank torchrun environment for tests that build the trainer in-process; `sdpa_calls`:
+the shapes of every SDPA call."""
 
 import os
 import socket
@@ -29,3 +30,20 @@ def world_of_one():
         dist.destroy_process_group()
     for k in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(k, None)
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """A list that gets (queries, keys, plain causal: is_causal with no mask) for every
+    F.scaled_dot_product_attention call while the test runs."""
+    import torch.nn.functional as F
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        calls.append((q.shape[-2], k.shape[-2], bool(kw.get("is_causal", False)) and kw.get("attn_mask") is None))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls

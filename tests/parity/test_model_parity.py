@@ -80,7 +80,7 @@ def test_indexer_selection_is_causal_and_keeps_tail():
     doc_ids = torch.repeat_interleave(torch.arange(2), lengths).unsqueeze(0)
     doc = DocLayout(*doc_positions(doc_ids, 1, 64, torch.device("cpu")))
     with torch.no_grad():
-        _, indices, _ = attn(torch.randn(1, 64, 64), BatchLayout(doc, None))
+        _, indices, _ = attn(torch.randn(1, 64, 64), BatchLayout(doc, doc_ids))
     assert indices.shape == (1, 64, 8 + 4 - 1)
     valid = indices[indices >= 0].long()
     assert len(set(zip(*[x.tolist() for x in torch.nonzero(indices >= 0, as_tuple=True)[:2]], valid.tolist()))) \

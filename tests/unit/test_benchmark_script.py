@@ -114,7 +114,7 @@ def test_bench_dsa_variants_run_on_cpu(monkeypatch):
     assert ((idx <= t) | (idx == -1)).all() and (idx[0, 30] >= 0).all() and (idx[0, 5] >= 0).sum() == 6
     variants = {**bench.attention_variants(40, 19, device="cpu", dtype=torch.float32),
                 **bench.layer_variants(32, device="cpu", flavor="debug", dtype=torch.float32)}
-    assert len(variants) == 9
+    assert len(variants) == 12
     for fn in variants.values():
         fn()
     # FLOPs per fwd + bwd: 4 queries with K = 2 attend 1 + 2 + 2 + 2 latent tokens; dense: 16 and 10 pairs
@@ -122,6 +122,9 @@ def test_bench_dsa_variants_run_on_cpu(monkeypatch):
     assert flops["sparse op (absorbed, K gathered)"] == 14 * 512 * 64 * 7
     assert flops["dense SDPA, [T, T] mask"] == (8 * 256 + 6 * 256) * 64 * 16
     assert flops["dense SDPA, causal"] == (8 * 256 + 6 * 256) * 64 * 10
+    # rows 0-1 causal (3 pairs), then rows 2-3 over all 4 keys (one chunk of 1024)
+    assert flops["dense SDPA, first 2 rows causal, then [T, T] mask in query chunks of 1024"] == (
+        (8 * 256 + 6 * 256) * 64 * (3 + 8))
 
 
 def test_benchmark_against_transformers_same_tokens_same_weights_and_ratios(tmp_path):

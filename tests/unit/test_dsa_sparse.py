@@ -52,7 +52,20 @@ def _doc(seqlen: int, bsz: int = 1) -> DocLayout:
 
 
 def _batch(doc: DocLayout, kl: str | None = None) -> BatchLayout:
-    return BatchLayout(doc, None, None, kl, False)
+    return BatchLayout(doc, doc.key, None, kl, False)  # doc.key: per-token document ids
+
+
+def _assert_same_run(got: tuple, want: tuple, kl: str | None) -> None:
+    """(output, indices, KL sum, gradients) of two runs: the same selection, the same values (fp32)."""
+    (out1, idx1, kl1, g1), (out0, idx0, kl0, g0) = got[:4], want[:4]
+    assert torch.equal(idx0, idx1)
+    torch.testing.assert_close(out1, out0, rtol=1e-5, atol=1e-6)
+    if kl is not None:
+        torch.testing.assert_close(kl1, kl0, rtol=1e-5, atol=1e-7)
+    for a, b in zip(g1, g0):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def _attn(seed: int = 0, **overrides) -> SparseMLA:
@@ -163,15 +176,7 @@ def test_dense_kernel_at_short_rows_is_the_sparse_function(kl, chunk):
             grads = torch.autograd.grad(loss, [xi, *attn.parameters()], allow_unused=True)
         assert ("sparse_mla_fwd" in rec.calls) == (max_len == 0), rec.calls
         results[max_len] = (out, indices, None if stats is None else stats.kl_sum, grads)
-    (out0, idx0, kl0, g0), (out1, idx1, kl1, g1) = results[0], results[seqlen]
-    assert torch.equal(idx0, idx1)
-    torch.testing.assert_close(out1, out0, rtol=1e-5, atol=1e-6)
-    if kl is not None:
-        torch.testing.assert_close(kl1, kl0, rtol=1e-5, atol=1e-7)
-    for a, b in zip(g1, g0):
-        assert (a is None) == (b is None)
-        if a is not None:
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    _assert_same_run(results[seqlen], results[0], kl)
     # one token longer than the bound: the sparse kernel again
     attn = _attn(seed=3, dsa_dense_max_len=seqlen - 1)
     with LargestTensor() as rec:
@@ -186,3 +191,61 @@ def test_selection_mask_marks_exactly_the_indices():
     want = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 1, 1]]], dtype=torch.bool)
     assert torch.equal(selection_mask(indices, 3), want)
     assert selection_mask(indices, 3).dtype == torch.bool
+
+
+@pytest.mark.parametrize("kl,chunk", [(None, 0), (None, 40), ("sparse", 40)])
+def test_one_document_rows_run_their_full_selection_rows_causal(kl, chunk, sdpa_calls):
+    """One document per row (no doc_ids): the queries whose selection still holds every past token, the first
+    (index_topk // kpool + 1) * kpool - 1 = 19 of the debug flavor, run SDPA's causal kernel with no mask; the
+    output, selection, KL and gradients equal the sparse kernel's (fp32). The premise is checked too: those rows'
+    selection is the whole causal past, the next row's is not."""
+    seqlen = 96
+    doc = DocLayout(*doc_positions(None, 2, seqlen, torch.device("cpu")))
+    x = torch.randn(2, seqlen, 64, dtype=torch.float64).float()
+    calls = sdpa_calls
+    results = {}
+    for max_len, causal_rows in ((0, True), (seqlen, True), (seqlen, False)):
+        attn = _attn(seed=3, dsa_dense_max_len=max_len, dsa_mask_query_chunk=chunk, dsa_mask_causal_rows=causal_rows)
+        xi = x.clone().requires_grad_()
+        calls.clear()
+        out, indices, stats = attn(xi, BatchLayout(doc, None, None, kl, False))
+        loss = out.square().mean() + (stats.kl_sum / stats.rows if stats is not None else 0)
+        grads = torch.autograd.grad(loss, [xi, *attn.parameters()], allow_unused=True)
+        results[max_len, causal_rows] = (out, indices, None if stats is None else stats.kl_sum, grads, list(calls))
+    assert attn.full_selection_rows == 19
+    plain = [c for c in results[seqlen, True][4] if c[2]]
+    assert plain == [(19, 19, True)], results[seqlen, True][4]
+    assert not any(c[2] for c in results[seqlen, False][4])
+    from torchtitan_glm.models.glm5.dsa import selection_mask
+
+    sel = selection_mask(results[0, True][1], seqlen)
+    assert torch.equal(sel[:, :19], torch.ones(19, seqlen, dtype=torch.bool).tril().expand(2, -1, -1))
+    assert not sel[:, 19, :20].all(dim=-1).any()  # row 19: 5 complete pools, 4 selected
+    _assert_same_run(results[seqlen, True], results[0, True], kl)
+    _assert_same_run(results[seqlen, False], results[0, True], kl)
+
+
+def test_one_document_dense_stage_is_plain_causal(sdpa_calls):
+    """The dense stage of a one-document row is plain causal attention: one SDPA call with no mask, the same output
+    and gradients as under the [T, T] causal mask (dsa_mask_causal_rows off). Rows with documents keep the mask."""
+    seqlen = 40
+    x = torch.randn(1, seqlen, 64, dtype=torch.float64).float()
+    calls = sdpa_calls
+    one_doc = DocLayout(*doc_positions(None, 1, seqlen, torch.device("cpu")))
+    results = []
+    for causal_rows in (True, False):
+        attn = _attn(seed=5, dsa_attention="dense", dsa_mask_causal_rows=causal_rows)
+        xi = x.clone().requires_grad_()
+        calls.clear()
+        out, _, _ = attn(xi, BatchLayout(one_doc, None))
+        params = [p for p in attn.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(out.square().mean(), [xi, *params], allow_unused=True)
+        results.append((out, [g for g in grads if g is not None], list(calls)))
+    assert results[0][2] == [(seqlen, seqlen, True)] and results[1][2] == [(seqlen, seqlen, False)]
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    assert len(results[0][1]) == len(results[1][1]) > 5
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    calls.clear()
+    _attn(seed=5, dsa_attention="dense")(x, _batch(_doc(seqlen)))
+    assert calls == [(seqlen, seqlen, False)]

@@ -15,7 +15,8 @@ __all__ = ["run_info", "resume_mismatches", "schedule_note", "layout_note", "pre
            "precision_changes", "optimizer_changes"]
 
 # Model arguments that follow other settings and may change between stages without changing any parameter.
-_FREE_ARGS = ("dsa_attention", "dsa_dense_max_len", "dsa_mask_query_chunk", "indexer_tile_elements")
+_FREE_ARGS = ("dsa_attention", "dsa_dense_max_len", "dsa_mask_query_chunk", "dsa_mask_causal_rows",
+              "indexer_tile_elements")
 # Model arguments that change only what a module computes in (no parameter, no trainability): a resume across them
 # carries everything over, and precision_note says so.
 _PRECISION_ARGS = ("indexer_fp8_emulation", "mhc_fp32_mixing", "kpool_fp32_accumulate", "indexer_weights_fp32",

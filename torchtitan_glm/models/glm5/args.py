@@ -20,7 +20,7 @@ _INDEXER_TYPES = {"full", "shared"}
 # Glm5ModelArgs fields that are trainer-side choices, never written to or read from config.json.
 TRAINER_FIELDS = ("hc_head", "dsa_attention", "indexer_fp8_emulation", "mhc_fp32_mixing", "kpool_fp32_accumulate",
                   "indexer_weights_fp32", "indexer_k_norm_fp32", "kpool_ape_trainable", "indexer_tile_elements",
-                  "dsa_dense_max_len", "dsa_mask_query_chunk")
+                  "dsa_dense_max_len", "dsa_mask_query_chunk", "dsa_mask_causal_rows")
 
 
 class ModelArgsError(ValueError):
@@ -115,6 +115,10 @@ class Glm5ModelArgs:
     # That masked SDPA (and the dense stage's) in query chunks of this many rows, each over the keys up to its last
     # query: (n + 1) / (2n) of the T x T pairs for n chunks, the same function (ops/masked_attention.py). 0: one call.
     dsa_mask_query_chunk: int = 1024
+    # One document per row (no doc_ids) and no context parallelism: the dense stage, and the first
+    # (index_topk // index_kpool + 1) * index_kpool - 1 queries of a short sparse-stage row (whose selection still
+    # holds every past token), run SDPA's causal kernel with no mask. The same function (ops/masked_attention.py).
+    dsa_mask_causal_rows: bool = True
 
     def dense_dsa_kernel(self, seq_len: int) -> bool:
         """Whether DSA attention over rows of `seq_len` tokens runs dense masked SDPA (the dense warm-up stage, or

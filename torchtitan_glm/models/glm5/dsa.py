@@ -314,6 +314,11 @@ class SparseMLA(nn.Module):
         self.dense = args.dsa_attention == "dense"
         self.dense_dsa_kernel = args.dense_dsa_kernel
         self.mask_query_chunk = args.dsa_mask_query_chunk
+        self.mask_causal_rows = args.dsa_mask_causal_rows
+        # one document: query t (t + 1 tokens, (t + 1) // kpool complete pools) selects every past token while its
+        # complete pools fit the index_topk // kpool selected ones and the incomplete tail is always added
+        self.full_selection_rows = ((args.index_topk // args.index_kpool + 1) * args.index_kpool - 1
+                                    if args.index_kpool_always_select_tail or args.index_kpool == 1 else 0)
         self.init_std = args.initializer_range
         bias = args.attention_bias
         self.q_a_proj = nn.Linear(d, args.q_lora_rank, bias=bias)
@@ -394,13 +399,19 @@ class SparseMLA(nn.Module):
         if dense_kernel:
             kv = self.kv_b_proj(latent_all).unflatten(-1, (-1, self.qk_dim + self.v_dim)).transpose(1, 2)
             k, v = kv.split([self.qk_dim, self.v_dim], dim=-1)
+            # rows whose mask is plain causal: every row of a one-document dense stage; in the sparse stage the
+            # queries whose selection still holds every past token
+            one_doc = self.mask_causal_rows and batch.doc_ids is None and cp is None
+            causal_rows = (x.shape[1] if self.dense else self.full_selection_rows) if one_doc else 0
             if self.dense:
-                mask = causal_doc_mask(doc) if cp is None else _cp_causal_doc_mask(doc, full_doc, cp.positions)
+                mask = (None if causal_rows == x.shape[1] else causal_doc_mask(doc) if cp is None
+                        else _cp_causal_doc_mask(doc, full_doc, cp.positions))
             else:  # the selected set as a mask: the same function as the sparse kernel, at dense cost
                 mask = selection_mask(indices, full_doc.pos.shape[1])
             # a context-parallel rank's queries are not the row's first ones: one call
             chunk = self.mask_query_chunk if cp is None else 0
-            out = masked_attention(q.transpose(1, 2), k, v, mask, scale=self.scale, causal_chunk=chunk).transpose(1, 2)
+            out = masked_attention(q.transpose(1, 2), k, v, mask, scale=self.scale, causal_chunk=chunk,
+                                   causal_rows=causal_rows).transpose(1, 2)
         else:
             if self.heads_group is not None:  # the latent is replicated; each TP rank's heads add to its gradient
                 latent_all = sum_grad_over(latent_all, group=self.heads_group)
