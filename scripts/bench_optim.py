@@ -82,16 +82,16 @@ def run(name: str, impl: str, shapes: list[torch.Size], *, steps: int, warmup: i
 
 def _kernels(opt, codes: str, **launch):
     """A closure stepping every parameter through ops/adamw_lowbit_triton.py directly (no optimizer around it)."""
-    from torchtitan_glm.components.lowbit_step import _format
-    from torchtitan_glm.ops.adamw_lowbit import DYNAMIC8, _parts
+    from torchtitan_glm.components.lowbit_step import state_format
+    from torchtitan_glm.ops.adamw_lowbit import DYNAMIC8, state_parts
     from torchtitan_glm.ops.adamw_lowbit_triton import adamw_lowbit_kernel_
 
     calls = []
     for group in opt.param_groups:
         for p in group["params"]:
             st = opt.state[p]
-            fmt = _format(st["exp_avg"])
-            calls.append((p.detach(), p.grad, *_parts(st["exp_avg"], fmt), *_parts(st["exp_avg_sq"], fmt),
+            fmt = state_format(st["exp_avg"])
+            calls.append((p.detach(), p.grad, *state_parts(st["exp_avg"], fmt), *state_parts(st["exp_avg_sq"], fmt),
                           st["step"], fmt, group))
 
     def run():

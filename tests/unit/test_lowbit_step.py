@@ -111,7 +111,7 @@ def test_reference_step_on_dtensor_parameters(world_of_one):
 _INTERPRET = r"""
 import torch
 from torchao.optim.subclass_8bit import OptimState8bit
-from torchtitan_glm.ops.adamw_lowbit import DYNAMIC8, PLAIN, _parts, adamw_lowbit_step_
+from torchtitan_glm.ops.adamw_lowbit import DYNAMIC8, PLAIN, state_parts, adamw_lowbit_step_
 from torchtitan_glm.ops.adamw_lowbit_triton import CODE_SEARCHES, adamw_lowbit_kernel_
 
 def snap(state):  # torchao's state subclasses have no deepcopy
@@ -134,7 +134,7 @@ for fmt, numel, betas in ((DYNAMIC8, 8192, (0.9, 0.95)), (DYNAMIC8, 2048, (0.3, 
             if step == 4:
                 before = p.clone(), [snap(s) for s in states]
             if use_kernel:  # the 8-bit codes found each way in turn (the binary search in the skipped step)
-                adamw_lowbit_kernel_(p, grad, *_parts(states[0], fmt), *_parts(states[1], fmt), count, skip, fmt=fmt,
+                adamw_lowbit_kernel_(p, grad, *state_parts(states[0], fmt), *state_parts(states[1], fmt), count, skip, fmt=fmt,
                                      codes=CODE_SEARCHES[step % 4], **sc)
             else:
                 adamw_lowbit_step_(p, grad, *states, count, fmt=fmt, found_inf=skip, **sc)

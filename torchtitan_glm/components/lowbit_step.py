@@ -23,7 +23,8 @@ def _local(t: Tensor) -> Tensor:
     return local_shard(t)
 
 
-def _format(state: Tensor) -> int:
+def state_format(state: Tensor) -> int:
+    """The fused kernel's format code (ops/adamw_lowbit.py) of one torchao optimizer moment."""
     from torchao.optim.subclass_8bit import OptimState8bit
     from torchao.optim.subclass_fp8 import OptimStateFp8
 
@@ -79,5 +80,5 @@ def fused_lowbit_step(optimizer: torch.optim.Optimizer, found_inf: Tensor | None
             state = optimizer.state[p]
             exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
             adamw_lowbit_step_(_local(p.detach()), _local(p.grad), exp_avg, exp_avg_sq, state["step"],
-                               fmt=_format(exp_avg), lr=lr_value, lr_wd=lr_wd, beta1=beta1, beta2=beta2,
+                               fmt=state_format(exp_avg), lr=lr_value, lr_wd=lr_wd, beta1=beta1, beta2=beta2,
                                eps=group["eps"], found_inf=flag)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["adamw_lowbit_step_", "PLAIN", "DYNAMIC8", "FP8", "BLOCK", "CODE_SEARCHES"]
+__all__ = ["adamw_lowbit_step_", "state_parts", "PLAIN", "DYNAMIC8", "FP8", "BLOCK", "CODE_SEARCHES"]
 
 PLAIN, DYNAMIC8, FP8 = 0, 1, 2
 # how the CUDA kernel finds AdamW8bit's codes (adamw_lowbit_triton.adamw_lowbit_kernel_'s `codes`, by its CODES
@@ -90,7 +90,7 @@ def _adamw_lowbit_step_fake(p, grad, m_codes, m_scale, m_qmap, v_codes, v_scale,
     return None
 
 
-def _parts(state: Tensor, fmt: int) -> tuple[Tensor, Tensor, Tensor]:
+def state_parts(state: Tensor, fmt: int) -> tuple[Tensor, Tensor, Tensor]:
     """(codes, scale, qmap) of one torchao moment; an empty tensor where its format has none."""
     if fmt == PLAIN:
         return state, state.new_empty(0), state.new_empty(0, dtype=torch.float32)
@@ -113,7 +113,7 @@ def adamw_lowbit_step_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Ten
     if fmt == DYNAMIC8 and not (exp_avg.signed and not exp_avg_sq.signed):
         raise ValueError("low-bit AdamW step: exp_avg must be on the signed 8-bit map and exp_avg_sq on the "
                          "unsigned one (as torchao's AdamW8bit makes them)")
-    m_parts, v_parts = _parts(exp_avg, fmt), _parts(exp_avg_sq, fmt)
+    m_parts, v_parts = state_parts(exp_avg, fmt), state_parts(exp_avg_sq, fmt)
     for name, t in (("parameter", p), ("gradient", grad), ("exp_avg", m_parts[0]), ("exp_avg_sq", v_parts[0])):
         if not t.is_contiguous() or t.numel() != numel:
             raise ValueError(f"low-bit AdamW step: the {name} must be contiguous with {numel} values "
