@@ -346,7 +346,8 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
                   tflops=round(tps * flops_per_token(args, seq_len) / 1e12, 1), loss=timed["loss"],
                   tokens_sha1=digest(tokens), dsa_dense_max_len=args.dsa_dense_max_len,
                   dsa_mask_query_chunk=args.dsa_mask_query_chunk,
-                  dsa_mask_causal_rows=args.dsa_mask_causal_rows and docs == 1,
+                  # whether any DSA row ran the causal kernel unmasked: one document, on the masked path
+                  dsa_mask_causal_rows=args.dsa_mask_causal_rows and docs == 1 and args.dense_dsa_kernel(seq_len),
                   moe_chunk_tokens=moe_chunk_tokens, offload_inputs=offloaded,
                   offloaded_gib_per_step=round(offloaded_gib, 3), host_peak_rss_gib=round(host_peak_rss_gib(), 2),
                   host_gib_after=host_memory_gib(device))

@@ -134,8 +134,8 @@ for fmt, numel, betas in ((DYNAMIC8, 8192, (0.9, 0.95)), (DYNAMIC8, 2048, (0.3, 
             if step == 4:
                 before = p.clone(), [snap(s) for s in states]
             if use_kernel:  # the 8-bit codes found each way in turn (the binary search in the skipped step)
-                adamw_lowbit_kernel_(p, grad, *state_parts(states[0], fmt), *state_parts(states[1], fmt), count, skip, fmt=fmt,
-                                     codes=CODE_SEARCHES[step % 4], **sc)
+                adamw_lowbit_kernel_(p, grad, *state_parts(states[0], fmt), *state_parts(states[1], fmt), count, skip,
+                                     fmt=fmt, codes=CODE_SEARCHES[step % 4], **sc)
             else:
                 adamw_lowbit_step_(p, grad, *states, count, fmt=fmt, found_inf=skip, **sc)
         assert torch.equal(p, before[0]), "a skipped step moved the parameter"

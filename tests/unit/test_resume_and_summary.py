@@ -286,6 +286,7 @@ def test_resume_names_the_loss_key_behind_a_derived_model_argument():
     assert resume_mismatches(saved, _info("--loss.indexer_tile_elements", "4096")) == []  # memory only
     # how the same function is split into kernels: free too
     assert resume_mismatches(saved, _info("--model.dsa_mask_query_chunk", "0", "--model.dsa_dense_max_len", "0")) == []
+    assert resume_mismatches(saved, _info("--model.dsa_mask_causal_rows", "false")) == []
     assert resume_mismatches(saved, _info("--loss.mtp_weight", "0")) == [
         "loss.mtp_weight was 0.1, is 0.0 (0 trains without the MTP layer: model.num_nextn_predict_layers was 1, is 0)"]
 

@@ -8,8 +8,8 @@ function:
 - causal query chunks: each chunk of queries is given only the keys up to its last query; chunk i of n computes
   (i + 1) / n of the row, (n + 1) / (2n) of the pairs in all (5/8 for 4 chunks);
 - plain causal rows: where the caller knows the first rows' mask is exactly causal (one document per row, and a
-  selection that still holds every past token: DSA's first index_topk queries), those rows run SDPA's causal
-  kernel with no mask, which skips the masked-out half of their tiles and reads no mask.
+  selection that still holds every past token: DSA's first index_topk + index_kpool - 1 queries), those rows run
+  SDPA's causal kernel with no mask, which skips the masked-out half of their tiles and reads no mask.
 (FlexAttention, which would skip the mask's empty tiles itself, measured slower than this kernel under a selection
 mask: docs/performance.md, eighteenth session.)
 """
@@ -19,10 +19,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+
 def masked_keys_per_query(seq: int, causal_chunk: int, causal_rows: int = 0) -> tuple[float, float]:
-    """Keys each query of a row of `seq` tokens is computed against, on average, by masked_attention: (under the
-    mask, in SDPA's causal kernel). Under the mask: the rows after the causal ones, each chunk up to its last
-    query (or each up to the row's end without chunks); causal rows: half their keys."""
+    """Returns (keys under the mask, keys in the causal kernel): how many keys masked_attention computes each query
+    of a `seq`-token row against, on average. Under the mask: the rows after the causal ones, each chunk over the
+    keys up to its last query (without chunks, up to the row's end); in the causal kernel: the causal rows' own."""
     plain = min(max(causal_rows, 0), seq)
     causal = plain * (plain + 1) / 2 / seq
     if causal_chunk <= 0:
@@ -39,7 +40,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     causal_chunk > 0 (needs Tq == Tk and a mask in which no query attends a later key, which the caller
     guarantees): queries in chunks of that many rows, each over the keys up to its last query.
     causal_rows > 0 (needs Tq == Tk; the caller guarantees the mask's first causal_rows rows are exactly causal):
-    those rows run the causal kernel without the mask; mask may be None when they are all of them. The same function either way; fewer pairs are computed."""
+    those rows run the causal kernel without the mask; mask may be None when they are all of them.
+    The same function either way; fewer pairs are computed."""
     tq, tk = q.shape[2], k.shape[2]
     if (causal_chunk > 0 or causal_rows > 0) and tq != tk:
         raise ValueError(f"masked_attention: causal_chunk / causal_rows need as many queries as keys, got {tq} and "

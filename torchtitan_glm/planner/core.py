@@ -243,10 +243,11 @@ def plan_layout(request: Request, cfg: JobConfig, inv: ModelInventory, layout: L
         micro = tr.accumulation_steps(layout.dp) if scope == "train" else 1
     except ConfigError as e:
         raise PlanError(str(e)) from e
-    splits = not layout.reduce_deferred  # some parameter is split over ranks
-    # where parameters are split, train.py refuses fsdp_reduce_in_compute_pool = true: no plan counts it there
-    in_pool = not splits and compute_pool_wanted(cfg.parallelism.fsdp_reduce_in_compute_pool, splits_parameters=splits,
-                                                 cpu_offload=cfg.optimizer.cpu_offload)
+    # the compute-pool reduce applies only where no parameter is split over ranks (layout.reduce_deferred); train.py
+    # refuses fsdp_reduce_in_compute_pool = true elsewhere, so no plan counts it there
+    in_pool = layout.reduce_deferred and compute_pool_wanted(cfg.parallelism.fsdp_reduce_in_compute_pool,
+                                                             splits_parameters=False,
+                                                             cpu_offload=cfg.optimizer.cpu_offload)
     setup = StepSetup(scope=scope, regime=regime, param_bytes=act,
                       reduce_bytes=_DTYPE_BYTES[tr.mixed_precision_reduce], ce_chunk=cfg.loss.ce_chunk_size,
                       compiled_loss=compiled_loss, accumulated=micro > 1, grads_in_compute_pool=in_pool)
