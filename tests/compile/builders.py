@@ -80,13 +80,15 @@ def block_of(model: Glm5Model, name: str) -> nn.Module:
     return model.get_submodule(BLOCKS[name])
 
 
-def block_inputs(model: Glm5Model, name: str, *, seed: int = 0, step: int = 0) -> tuple[tuple, dict]:
-    """Seeded (args, kwargs) for calling block `name` the way Glm5Model calls it (doc boundaries, the indexer KL on:
-    the sparse form in the DSA layer, the dense form in the MTP layer, so both KL ops compile)."""
+def block_inputs(model: Glm5Model, name: str, *, seed: int = 0, step: int = 0,
+                 one_doc: bool = False) -> tuple[tuple, dict]:
+    """Seeded (args, kwargs) for calling block `name` the way Glm5Model calls it (doc boundaries, or with one_doc
+    one document per row and no ids; the indexer KL on: the sparse form in the DSA layer, the dense form in the MTP
+    layer, so both KL ops compile)."""
     args = model.args
     gen = torch.Generator().manual_seed(seed)
     d, n = args.hidden_size, args.hc_mult
-    doc_ids = doc_ids_for(step)
+    doc_ids = None if one_doc else doc_ids_for(step)
     doc = DocLayout(*doc_positions(doc_ids, BATCH, SEQLEN, torch.device("cpu")))
 
     def randn(*shape):

@@ -33,13 +33,13 @@ def _grads(block: torch.nn.Module, inputs: tuple[tuple, dict]) -> dict[str, torc
     return grads
 
 
-def _run_block(name: str, args=None) -> BlockRun:
+def _run_block(name: str, args=None, *, one_doc: bool = False) -> BlockRun:
     torch._dynamo.reset()
     counters.clear()
     model = build_model(seed=0, args=args)
     block = block_of(model, name)
     reference = copy.deepcopy(block)
-    inputs = block_inputs(model, name)
+    inputs = block_inputs(model, name, one_doc=one_doc)
     ref_inputs = clone_inputs(inputs)
 
     counter = CompileCounterWithBackend("aot_eager")
@@ -129,12 +129,16 @@ def test_op_count_independent_of_weights_and_data(block_runs):
     assert (counter.frame_count, counter.op_count) == (1, expected)
 
 
-def test_dsa_block_with_the_dense_kernel_compiles_whole():
-    """A sparse-stage DSA block whose rows fit dsa_dense_max_len (masked SDPA under the selection's mask) compiles
-    into one graph without breaks, calls no sparse-MLA op and matches eager (outputs, gradients)."""
+@pytest.mark.parametrize("one_doc", [False, True])
+def test_dsa_block_with_the_dense_kernel_compiles_whole(one_doc):
+    """A sparse-stage DSA block whose rows fit dsa_dense_max_len (masked SDPA under the selection's mask; with one
+    document per row, its first 19 rows through the causal kernel without the mask) compiles into one graph without
+    breaks, calls no sparse-MLA op and matches eager (outputs, gradients)."""
     from .builders import SEQLEN, debug_args
 
-    run = _run_block("dsa_moe", debug_args(dsa_dense_max_len=SEQLEN))
+    run = _run_block("dsa_moe", debug_args(dsa_dense_max_len=SEQLEN), one_doc=one_doc)
     assert run.graph_breaks == {} and run.record["graphs"] == 1
     assert not any("sparse_mla" in op for op in run.record["ops"]), run.record["ops"]
+    sdpa_calls = sum(n for op, n in run.record["ops"].items() if "scaled_dot_product" in op)
+    assert sdpa_calls == 1 + one_doc, run.record["ops"]  # one masked call (after the causal rows)
     _assert_matches_eager(run, "dsa_moe (dense kernel)")
