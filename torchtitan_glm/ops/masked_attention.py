@@ -43,7 +43,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     those rows run the causal kernel without the mask; mask may be None when they are all of them.
     The same function either way; fewer pairs are computed."""
     tq, tk = q.shape[2], k.shape[2]
-    if (causal_chunk > 0 or causal_rows > 0) and tq != tk:
+    if (tq > causal_chunk > 0 or causal_rows > 0) and tq != tk:
         raise ValueError(f"masked_attention: causal_chunk / causal_rows need as many queries as keys, got {tq} and "
                          f"{tk}")
     plain = min(max(causal_rows, 0), tq)
