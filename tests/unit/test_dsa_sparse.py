@@ -196,7 +196,7 @@ def test_selection_mask_marks_exactly_the_indices():
 @pytest.mark.parametrize("kl,chunk", [(None, 0), (None, 40), ("sparse", 40)])
 def test_one_document_rows_run_their_full_selection_rows_causal(kl, chunk, sdpa_calls):
     """One document per row (no doc_ids): the queries whose selection still holds every past token, the first
-    (index_topk // kpool + 1) * kpool - 1 = 19 of the debug flavor, run SDPA's causal kernel with no mask; the
+    index_topk + kpool - 1 = 19 of the debug flavor, run SDPA's causal kernel with no mask; the
     output, selection, KL and gradients equal the sparse kernel's (fp32). The premise is checked too: those rows'
     selection is the whole causal past, the next row's is not."""
     seqlen = 96
@@ -249,3 +249,19 @@ def test_one_document_dense_stage_is_plain_causal(sdpa_calls):
     calls.clear()
     _attn(seed=5, dsa_attention="dense")(x, _batch(_doc(seqlen)))
     assert calls == [(seqlen, seqlen, False)]
+
+
+@pytest.mark.parametrize("overrides,rows", [(dict(index_kpool_always_select_tail=False), 0),
+                                            (dict(index_kpool=1, index_topk=8), 8)])
+def test_causal_rows_without_the_tail_and_with_single_token_pools(overrides, rows):
+    """Without the always-selected tail a query misses its own incomplete pool, so no row is plain causal; with
+    one-token pools the first index_topk rows are. Either way the masked path equals the sparse kernel (fp32)."""
+    seqlen = 48
+    doc = DocLayout(*doc_positions(None, 1, seqlen, torch.device("cpu")))
+    x = torch.randn(1, seqlen, 64, dtype=torch.float64).float()
+    outs = []
+    for max_len in (0, seqlen):
+        attn = _attn(seed=4, dsa_dense_max_len=max_len, **overrides)
+        outs.append(attn(x, BatchLayout(doc, None))[0])
+    assert attn.full_selection_rows == rows
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)

@@ -116,8 +116,8 @@ class Glm5ModelArgs:
     # query: (n + 1) / (2n) of the T x T pairs for n chunks, the same function (ops/masked_attention.py). 0: one call.
     dsa_mask_query_chunk: int = 1024
     # One document per row (no doc_ids) and no context parallelism: the dense stage, and the first
-    # (index_topk // index_kpool + 1) * index_kpool - 1 queries of a short sparse-stage row (whose selection still
-    # holds every past token), run SDPA's causal kernel with no mask. The same function (ops/masked_attention.py).
+    # index_topk + index_kpool - 1 queries of a short sparse-stage row (whose selection still holds every past
+    # token), run SDPA's causal kernel with no mask. The same function (ops/masked_attention.py).
     dsa_mask_causal_rows: bool = True
 
     def dense_dsa_kernel(self, seq_len: int) -> bool:

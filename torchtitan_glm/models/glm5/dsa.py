@@ -315,9 +315,10 @@ class SparseMLA(nn.Module):
         self.dense_dsa_kernel = args.dense_dsa_kernel
         self.mask_query_chunk = args.dsa_mask_query_chunk
         self.mask_causal_rows = args.dsa_mask_causal_rows
-        # one document: query t (t + 1 tokens, (t + 1) // kpool complete pools) selects every past token while its
-        # complete pools fit the index_topk // kpool selected ones and the incomplete tail is always added
-        self.full_selection_rows = ((args.index_topk // args.index_kpool + 1) * args.index_kpool - 1
+        # one document: query t has t + 1 past tokens, and while they fit the selection's K = index_topk + kpool - 1
+        # slots it selects them all (every complete pool, then the incomplete tail; index_topk is a multiple of
+        # kpool). Without the tail the query's own incomplete pool is left out, so no row is plain causal.
+        self.full_selection_rows = (args.index_topk + args.index_kpool - 1
                                     if args.index_kpool_always_select_tail or args.index_kpool == 1 else 0)
         self.init_std = args.initializer_range
         bias = args.attention_bias
@@ -402,11 +403,13 @@ class SparseMLA(nn.Module):
             # rows whose mask is plain causal: every row of a one-document dense stage; in the sparse stage the
             # queries whose selection still holds every past token
             one_doc = self.mask_causal_rows and batch.doc_ids is None and cp is None
-            causal_rows = (x.shape[1] if self.dense else self.full_selection_rows) if one_doc else 0
-            if self.dense:
-                mask = (None if causal_rows == x.shape[1] else causal_doc_mask(doc) if cp is None
-                        else _cp_causal_doc_mask(doc, full_doc, cp.positions))
+            if self.dense and one_doc:  # plain causal: no mask at all
+                causal_rows, mask = x.shape[1], None
+            elif self.dense:
+                causal_rows = 0
+                mask = causal_doc_mask(doc) if cp is None else _cp_causal_doc_mask(doc, full_doc, cp.positions)
             else:  # the selected set as a mask: the same function as the sparse kernel, at dense cost
+                causal_rows = self.full_selection_rows if one_doc else 0
                 mask = selection_mask(indices, full_doc.pos.shape[1])
             # a context-parallel rank's queries are not the row's first ones: one call
             chunk = self.mask_query_chunk if cp is None else 0
