@@ -243,7 +243,12 @@ class DataConfig(_Section):
     "uint32" element type of .bin files (their token ids are checked against the model's vocab_size at start);
     add_eos: append eos after each text document (bin files already hold it); errors: txt files that are not valid
     UTF-8: "strict" (stop at start, naming the file and byte), "skip" (leave them out, with a warning) or "replace"
-    (decode bad bytes as U+FFFD).
+    (decode bad bytes as U+FFFD); document_masking: true (the reference's packed-row semantics): attention, the
+    KDA state, the DSA pools and the MTP restart at each document start in a packed row, and the label that would
+    predict a document's first token from the previous document is ignored; false: each row is one causal
+    sequence, as TorchTitan and Megatron-LM (without reset_attention_mask) train by default -- the model gets no
+    document ids, so attention runs with the plain causal kernels and the KDA kernels without varlen boundaries,
+    and every label counts.
     """
 
     SECTION: ClassVar[str] = "data"
@@ -254,6 +259,7 @@ class DataConfig(_Section):
     bin_dtype: str = "uint16"
     add_eos: bool = True
     errors: str = "strict"
+    document_masking: bool = True
 
     def validate(self) -> None:
         self._choice("source", ("builtin", "jsonl", "txt", "bin"))

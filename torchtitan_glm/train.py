@@ -401,11 +401,13 @@ class Trainer:
 
     def _device_batch(self, batch: dict[str, torch.Tensor]) -> TrainBatch:
         """A loader batch on the device, as this rank's TrainBatch. Host-to-device without blocking; the document ids
-        also stay on the host, from where the KDA kernels' varlen layout is built without a device-to-host copy."""
-        tokens, labels, doc_ids = (batch[k].to(self.device, non_blocking=True)
-                                   for k in ("input_ids", "labels", "doc_ids"))
-        host_ids = batch["doc_ids"] if batch["doc_ids"].device.type == "cpu" else None
-        return train_batch(tokens, labels, doc_ids, cp=self.cp, host_doc_ids=host_ids)
+        also stay on the host, from where the KDA kernels' varlen layout is built without a device-to-host copy.
+        A batch without document ids (data.document_masking = false) is one causal sequence per row."""
+        tokens, labels = (batch[k].to(self.device, non_blocking=True) for k in ("input_ids", "labels"))
+        host_ids = batch.get("doc_ids")
+        doc_ids = None if host_ids is None else host_ids.to(self.device, non_blocking=True)
+        return train_batch(tokens, labels, doc_ids, cp=self.cp,
+                           host_doc_ids=host_ids if host_ids is not None and host_ids.device.type == "cpu" else None)
 
     def _optimizer_step(self, pending: PendingStep, loads: list[torch.Tensor]) -> None:
         """The update, the FP8 scales and the router biases, none of it where the step is not finite: decided on the

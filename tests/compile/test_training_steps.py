@@ -3,6 +3,8 @@ compiled in step 1 (one per block kind), and the graph count does not grow with 
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 from torch._dynamo.utils import counters
@@ -88,10 +90,12 @@ def test_graph_count_independent_of_depth():
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
-def test_accumulating_trainer_steps_compile_once(tmp_path, world_of_one):
+@pytest.mark.parametrize("document_masking", ["true", "false"])
+def test_accumulating_trainer_steps_compile_once(tmp_path, world_of_one, document_masking):
     """The trainer under FSDP2 with two microbatches per step (training.global_batch_size; FSDP2's deferred reduce
     and held gathers switch between microbatches, outside the compiled blocks): steps 2-3 reuse step 1's graphs,
-    with no graph break."""
+    with no graph break. Also with data.document_masking = false, where the batches carry no document ids (the
+    unmasked kernels: plain causal attention, KDA without varlen boundaries)."""
     from torchtitan_glm.config import load_config
     from torchtitan_glm.train import Trainer
 
@@ -101,11 +105,13 @@ def test_accumulating_trainer_steps_compile_once(tmp_path, world_of_one):
                        "--parallelism.fsdp_reshard_after_forward", "never", "--training.steps", "3",
                        "--compile.enable", "true", "--compile.backend", "aot_eager", "--checkpoint.enable", "false",
                        "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "1",
-                       f"--job.dump_folder={tmp_path}"])
+                       "--data.document_masking", document_masking, f"--job.dump_folder={tmp_path}"])
     trainer = Trainer(cfg)
     assert trainer.accumulation.steps == 2 and trainer.accumulation.hold_gathered
     trainer.step = 1
-    trainer.train_step(*trainer.next_batches())
+    batches, documents = trainer.next_batches()
+    assert all((trainer._device_batch(b).doc_ids is None) == (document_masking == "false") for b in batches)
+    trainer.train_step(batches, documents)
     compiled = counters["stats"]["unique_graphs"]
     assert compiled > 0
     with torch.compiler.set_stance("fail_on_recompile"):

@@ -86,6 +86,23 @@ def test_builtin_batches_shape_structure_determinism():
     assert text.isprintable() or "\n" in text
 
 
+def test_rows_without_document_masking_are_one_sequence(tmp_path):
+    """data.document_masking = false: the same rows, given as one causal sequence each -- no document ids, and every
+    label the next token of the row, across document ends too (where the masked batch has -100)."""
+    paths = [write_jsonl(tmp_path / "d.jsonl", numbered_docs())]
+    masked = take(make_loader(DataConfig(source="jsonl", paths=paths), seq_len=48, batch=3, seed=4), 4)
+    plain = take(make_loader(DataConfig(source="jsonl", paths=paths, document_masking=False), seq_len=48, batch=3,
+                             seed=4), 4)
+    for m, p in zip(masked, plain):
+        assert p.keys() == {"input_ids", "labels"}
+        assert torch.equal(p["input_ids"], m["input_ids"])
+        assert torch.equal(p["labels"][:, :-1], p["input_ids"][:, 1:])
+        kept = m["labels"] != -100
+        assert torch.equal(p["labels"][kept], m["labels"][kept])
+        assert (p["labels"] != -100).all()
+    assert any((m["labels"] == -100).any() for m in masked)  # the rows do cross documents
+
+
 def test_builtin_ranks_get_distinct_rows():
     rows = []
     for rank in range(2):

@@ -71,3 +71,8 @@ def test_data_line_of_many_files_and_of_builtin(tmp_path):
                                dp_world_size=1, seed=0).summary()
     line, _ = data_line(builtin, steps=1, global_batch_rows=1)
     assert re.match(r"builtin \(\d+ standard-library files\): [\d,]+ documents", line)
+    assert "causal sequence" not in line
+    plain = build_dataloader(cfg=DataConfig(document_masking=False), tokenizer=TOK, seq_len=128, local_batch_size=1,
+                             dp_rank=0, dp_world_size=1, seed=0).summary()
+    line, _ = data_line(plain, steps=1, global_batch_rows=1)
+    assert line.endswith("epochs; each row one causal sequence (data.document_masking false)")

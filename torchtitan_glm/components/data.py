@@ -4,7 +4,8 @@ Documents come from the running Python's standard-library sources (`builtin`: al
 jsonl/txt files, or from a pre-tokenized `.bin` token file (documents separated by eos). Token streams are packed
 into rows of seq_len + 1 tokens (inputs row[:-1], labels row[1:]); each batch carries the document structure
 (`doc_ids`, `cu_seqlens`) so attention and the KDA state restart at document starts, and the label that would
-predict the next document's first token is -100.
+predict the next document's first token is -100. With `data.document_masking = false` a row is one causal
+sequence instead (no document structure in the batch; every label is the next token).
 
 Layout-independent order: the data is one global sequence of rows, a function of (data, seed, seq_len) only --
 text documents in a seeded per-epoch permutation packed back to back into one token stream, `.bin` rows in file
@@ -451,15 +452,19 @@ def _scan_tokens(path: str, tokens: np.ndarray, *, eos_id: int, vocab_size: int 
 
 
 # ---------------------------------------------------------------------------------------------- batching
-def pack_batch(tokens: np.ndarray, starts: np.ndarray) -> dict[str, torch.Tensor]:
+def pack_batch(tokens: np.ndarray, starts: np.ndarray, *, document_masking: bool = True) -> dict[str, torch.Tensor]:
     """Rows [B, T+1] of tokens and doc-start flags -> the training batch.
 
     input_ids, labels: LongTensor [B, T] (labels -100 where the next token starts a new document);
     doc_ids: LongTensor [B, T], document index within the row (0 at each row start, +1 at each new document);
     cu_seqlens: IntTensor [n_docs + 1], document boundaries of the flattened [1, B*T] view (every row start is one).
+    document_masking=False: each row is one causal sequence, so the batch is input_ids and labels alone, every label
+    the next token (across document ends too).
     """
     b, t = tokens.shape[0], tokens.shape[1] - 1
     labels = tokens[:, 1:].copy()
+    if not document_masking:
+        return {"input_ids": torch.from_numpy(np.ascontiguousarray(tokens[:, :-1])), "labels": torch.from_numpy(labels)}
     labels[starts[:, 1:]] = IGNORE_INDEX
     begins = starts[:, :t].copy()
     begins[:, 0] = True
@@ -483,8 +488,9 @@ class PackedDataLoader:
     """
 
     def __init__(self, stream: _TextRows | _BinRows, *, local_batch_size: int, dp_rank: int, dp_world_size: int,
-                 seed: int, source: str = "") -> None:
+                 seed: int, source: str = "", document_masking: bool = True) -> None:
         self.stream, self.local_batch_size, self.dp_rank = stream, local_batch_size, dp_rank
+        self.document_masking = document_masking
         self.source = source  # data.source, named in the start-up summary
         self.global_batch_rows = local_batch_size * dp_world_size
         self.seed = seed
@@ -499,13 +505,15 @@ class PackedDataLoader:
         rows = [self.stream.row(k) for k in range(first, first + self.local_batch_size)]
         self.position += self.global_batch_rows
         self.last_documents = list(dict.fromkeys(name for r in rows for name in r[2]))
-        return pack_batch(np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]))
+        return pack_batch(np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]),
+                          document_masking=self.document_masking)
 
     def summary(self) -> dict[str, Any]:
         """The data this loader reads, for the start-up summary: source (data.source), files, documents, tokens and
-        rows_per_epoch (rows of seq_len + 1 tokens in one pass over the data), and global_batch_rows."""
+        rows_per_epoch (rows of seq_len + 1 tokens in one pass over the data), global_batch_rows and
+        document_masking."""
         return {"source": self.source, **self.stream.stats(), "row_len": self.stream.row_len,
-                "global_batch_rows": self.global_batch_rows}
+                "global_batch_rows": self.global_batch_rows, "document_masking": self.document_masking}
 
     def state_dict(self) -> dict[str, Any]:
         return {"position": self.position, "global_batch_rows": self.global_batch_rows,
@@ -563,4 +571,4 @@ def build_dataloader(*, cfg: DataConfig, tokenizer: Any, seq_len: int, local_bat
         stream = _TextRows(corpus, tokenizer, add_eos=cfg.add_eos, row_len=row_len, seed=seed,
                            lengths=_doc_lengths(corpus, tokenizer, cfg.add_eos, group))
     return PackedDataLoader(stream, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
-                            seed=seed, source=cfg.source)
+                            seed=seed, source=cfg.source, document_masking=cfg.document_masking)

@@ -160,8 +160,8 @@ def compute_line(cfg: Any) -> str:
 
 
 def data_line(data: dict[str, Any], *, steps: int, global_batch_rows: int) -> tuple[str, str | None]:
-    """The summary's data row from PackedDataLoader.summary() (source, files, documents, tokens, rows per epoch)
-    and how many epochs `steps` global batches of `global_batch_rows` rows cover, so that repeated data is seen
+    """The summary's data row from PackedDataLoader.summary() (source, files, documents, tokens, rows per epoch,
+    document masking) and how many epochs `steps` global batches of `global_batch_rows` rows cover, so that repeated data is seen
     before training; and a warning (None if not) when one global batch holds more rows than an epoch."""
     files = data["files"]
     names = ", ".join(files[:3]) + (f", ... ({len(files)} files)" if len(files) > 3 else "")
@@ -172,6 +172,8 @@ def data_line(data: dict[str, Any], *, steps: int, global_batch_rows: int) -> tu
     line = (f"{data['source']} ({where}): {data['documents']:,} documents, {format_count(data['tokens'])} tokens, "
             f"{rows_text} rows of {data['row_len']} tokens per epoch; {steps} steps x {global_batch_rows} rows = "
             f"{epochs:.3g} epochs")
+    if not data.get("document_masking", True):
+        line += "; each row one causal sequence (data.document_masking false)"
     warning = None
     if global_batch_rows > rows:
         warning = (f"one global batch ({global_batch_rows} rows of {data['row_len']} tokens) holds more rows than an "
