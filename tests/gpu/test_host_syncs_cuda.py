@@ -40,3 +40,38 @@ def test_a_training_step_does_not_sync(tmp_path, world_of_one, accumulate, optim
     metrics = trainer.stats.resolve(2)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(torch.isfinite(torch.tensor(m["loss"])) and not m["nonfinite"] for m in metrics)
+
+
+def test_device_document_ids_are_copied_to_the_host_once_per_forward():
+    """Document ids given only on the device (scripts, a decode prefill) are copied to the host once, in
+    batch_layout, for the whole forward; the KDA layers then build their varlen layout from that copy instead of
+    each copying the ids back itself. Counted as synchronising calls: the forward with device ids makes exactly one
+    more than the same forward given the host copy, whatever the number of KDA layers."""
+    import warnings
+
+    from tests.compile.builders import build_model, doc_ids_for
+    from tests.gpu.test_kda_fla import _fla_usable
+
+    if not _fla_usable():
+        pytest.skip("needs fla-core with triton")
+    model = build_model().cuda().eval()
+    assert sum(not layer.is_dsa for layer in model.layers.values()) >= 2  # KDA layers
+    host = doc_ids_for(1)
+    tokens = torch.randint(0, model.args.vocab_size, host.shape, device="cuda")
+
+    def syncs(**ids) -> tuple[int, torch.Tensor]:
+        torch.cuda.synchronize()
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                hidden = model.hidden_states(tokens, with_mtp=False, **ids).hidden
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught), hidden
+
+    syncs(doc_ids=host.cuda(), host_doc_ids=host)  # first call: autotuning, lazy state
+    given, expected = syncs(doc_ids=host.cuda(), host_doc_ids=host)
+    device_only, hidden = syncs(doc_ids=host.cuda())
+    assert device_only == given + 1, (device_only, given)
+    torch.testing.assert_close(hidden, expected, rtol=0, atol=0)

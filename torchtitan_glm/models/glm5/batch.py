@@ -113,13 +113,17 @@ def batch_layout(doc_ids: Tensor | None, shape: tuple[int, int], device: torch.d
                  seq_aux: bool = False, host_doc_ids: Tensor | None = None) -> BatchLayout:
     """The BatchLayout of rows of `shape` = (B, T) (whole rows) with per-token `doc_ids` (None: one document per
     row), for this rank's part under context parallelism. host_doc_ids: the same ids on the host (kept for the KDA
-    op, and used for the zigzag layout)."""
+    op, and used for the zigzag layout); made here, with one device-to-host copy, when only device ids are given."""
     if indexer_kl not in (None, "sparse", "dense"):
         raise ValueError(f"indexer_kl must be None, 'sparse' or 'dense', got {indexer_kl!r}")
     if host_doc_ids is not None and (doc_ids is None or host_doc_ids.device.type != "cpu"):
         raise ValueError("host_doc_ids must be the host copy of doc_ids")
     bsz, seqlen = shape
     host = host_doc_ids
+    if host is None and doc_ids is not None and doc_ids.device.type != "cpu":
+        # ids given only on the device (scripts, decode prefill): one blocking copy here, for the whole forward,
+        # instead of one per KDA layer and direction (ops/kda.py::_varlen) and per zigzag sharding
+        host = doc_ids.cpu()
     doc = DocLayout(*doc_positions(doc_ids, bsz, seqlen, device))
     if cp is None:
         return BatchLayout(doc, doc_ids, None, indexer_kl, seq_aux, host)
