@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.saved import saved_for_backward
 from torchtitan_glm.models.glm5 import get_flavor
 from torchtitan_glm.models.glm5.batch import BatchLayout
 from torchtitan_glm.models.glm5.dsa import DocLayout
@@ -30,8 +31,7 @@ def test_compiled_kda_block_saves_no_fp32_activation_of_its_width(docs):
     x = torch.randn(1, seqlen, args.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     torch._dynamo.reset()
     compiled = torch.compile(block, fullgraph=True)
-    held = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t):
+    with saved_for_backward() as held:
         out = compiled(x, batch)
     wide_fp32 = [tuple(t.shape) for t in held if t.dtype == torch.float32 and t.numel() >= seqlen * inner]
     # the decay gate's FP32 output [B, T, H, K] is the KDA kernel's input (ops/kda.py): the only one allowed

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.saved import saved_for_backward
 from torchtitan_glm.models.glm5 import layers
 from torchtitan_glm.models.glm5.gated_norm import gated_rms_norm
 
@@ -54,8 +55,7 @@ def test_bf16_keeps_inputs_and_one_scale_per_row():
     x, gate, w = _inputs(torch.bfloat16, seed=3)
     x.requires_grad_(True)
     gate.requires_grad_(True)
-    held = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t):
+    with saved_for_backward() as held:
         y = gated_rms_norm(x, gate, w, eps=EPS)
     assert sorted((tuple(t.shape), t.dtype) for t in held if t.numel() >= x.numel()) == \
         sorted([(tuple(x.shape), torch.bfloat16)] * 2)

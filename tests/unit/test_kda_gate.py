@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.saved import saved_for_backward
 from torchtitan_glm.models.glm5 import layers
 from torchtitan_glm.models.glm5.kda_gate import kda_log_decay
 
@@ -61,8 +62,7 @@ def test_gradcheck_fp64(lower_bound):
 def test_bf16_gate_output_is_all_that_is_held():
     f, a_log, dt = _inputs(torch.bfloat16, seed=3)
     f.requires_grad_(True)
-    held = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t):
+    with saved_for_backward() as held:
         y = kda_log_decay(f, a_log, dt, head_dim=DIM, lower_bound=None)
     assert [(tuple(t.shape), t.dtype) for t in held if t.numel() >= f.numel()] == [(tuple(f.shape), torch.bfloat16)]
     y.sum().backward()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.saved import saved_for_backward
 from torchtitan_glm.models.glm5 import layers, mhc
 from torchtitan_glm.models.glm5.mhc import HyperConnection, rms_linear
 
@@ -49,15 +50,9 @@ def test_rms_linear_input_grad_only_and_weight_grad_only():
 
 
 def _saved_bytes(fn) -> list[tuple[torch.dtype, int]]:
-    saved = []
-
-    def pack(t):
-        saved.append((t.dtype, t.numel()))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_for_backward() as held:
         fn()
-    return saved
+    return [(t.dtype, t.numel()) for t in held]
 
 
 def test_hyper_connection_saves_no_fp32_copy_of_the_streams():

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.saved import saved_for_backward
 from torchtitan_glm.models.glm5 import layers
 from torchtitan_glm.models.glm5.short_conv import causal_conv_silu
 
@@ -95,8 +96,7 @@ def test_bf16_input_keeps_no_fp32_copy_for_backward():
     x, w, pos, _ = _case(3, seqlen=64, ch=16, dtype=torch.bfloat16)
     x.requires_grad_(True)
     w.requires_grad_(True)
-    held = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t):
+    with saved_for_backward() as held:
         y = causal_conv_silu(x, w, pos)
     big_fp32 = [t for t in held if t.dtype == torch.float32 and t.numel() >= x.numel()]
     assert not big_fp32, [tuple(t.shape) for t in big_fp32]
@@ -117,8 +117,7 @@ def test_compiled_keeps_no_fp32_copy_for_backward_and_equals_eager(with_docs):
     runs = []
     for fn in (lambda x, w: causal_conv_silu(x, w, pos) * 2, compiled):
         xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        held = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t):
+        with saved_for_backward() as held:
             y = fn(xi, wi)
         y.float().square().sum().backward()
         runs.append((y, xi.grad, wi.grad, held))

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.saved import saved_for_backward
 from torchtitan_glm.models.glm5 import layers
 from torchtitan_glm.models.glm5.layers import swiglu
 
@@ -60,8 +61,7 @@ def test_gradcheck_fp64():
 
 def test_bf16_holds_gate_and_up_only():
     gate, up = (t.requires_grad_(True) for t in _inputs(torch.bfloat16, seed=3))
-    held = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t):
+    with saved_for_backward() as held:
         y = swiglu(gate, up, LIMIT)
     assert len(held) == 2 and all(t.dtype == torch.bfloat16 and t.shape == gate.shape for t in held)
     y.float().sum().backward()
