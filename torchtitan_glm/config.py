@@ -190,7 +190,10 @@ class TrainingConfig(_Section):
     deterministic: use deterministic algorithms (torch.use_deterministic_algorithms) for reproducible runs;
     on_nonfinite: what a non-finite loss or gradient norm does: "stop" (exit non-zero naming the step and the
     batch's documents; that state is never saved) or "skip" (drop the step's update, count it in TensorBoard as
-    skipped_steps); max_consecutive_nonfinite: with "skip", stop after this many non-finite steps in a row.
+    skipped_steps); max_consecutive_nonfinite: with "skip", stop after this many non-finite steps in a row;
+    device_memory_limit_gib: CUDA memory this process may reserve (torch.cuda.set_per_process_memory_fraction),
+    0 = the whole card. Under it the caching allocator gives cached blocks back before an allocation would pass the
+    limit, so the reserve stays within it (for a budget, or to leave room for a co-located rollout engine).
     """
 
     SECTION: ClassVar[str] = "training"
@@ -204,6 +207,7 @@ class TrainingConfig(_Section):
     deterministic: bool = False
     on_nonfinite: str = "stop"
     max_consecutive_nonfinite: int = 5
+    device_memory_limit_gib: float = 0.0
 
     def validate(self) -> None:
         self._require(self.steps >= 1, "steps", "must be >= 1")
@@ -216,6 +220,8 @@ class TrainingConfig(_Section):
         self._choice("mixed_precision_reduce", _DTYPES)
         self._choice("on_nonfinite", ("stop", "skip"))
         self._require(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite", "must be >= 1")
+        self._require(math.isfinite(self.device_memory_limit_gib) and self.device_memory_limit_gib >= 0,
+                      "device_memory_limit_gib", "must be a finite number >= 0 (0 = the whole card)")
 
     def accumulation_steps(self, dp: int) -> int:
         """Microbatches per optimizer step under `dp` data-parallel ranks (global_batch_size / (local x dp))."""

@@ -18,7 +18,7 @@ from torchtitan_glm.activation_checkpoint import offload_host_bytes
 from torchtitan_glm.components import loss as losses
 from torchtitan_glm.components.checkpoint import (CheckpointManager, hf_export_dir, list_checkpoints,
                                                   list_hf_exports, step_dir)
-from torchtitan_glm.components.cuda_alloc import default_alloc_conf
+from torchtitan_glm.components.cuda_alloc import default_alloc_conf, limit_device_memory, memory_limit_error
 from torchtitan_glm.components.data import build_dataloader
 from torchtitan_glm.components.errors import (CheckpointError, NonFiniteError, ResumeMismatchError, is_expected,
                                               one_line, run_job)
@@ -122,9 +122,9 @@ def init_distributed(*, cpu_backend: bool = False) -> tuple[int, int, torch.devi
 
 def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
     """The parallel layout checked against WORLD_SIZE (torchrun sets it before Python starts) and the model args,
-    profiling.memory against the host (CUDA only), and on a GPU host the pinned memory of
-    activation_checkpoint.offload_inputs against the host's: ConfigErrors
-    naming the keys, raised before any process group starts (main() runs it first: exit 2)."""
+    profiling.memory and training.device_memory_limit_gib against the device (CUDA only), and on a GPU host the
+    pinned memory of activation_checkpoint.offload_inputs against the host's: ConfigErrors naming the keys, raised
+    before any process group starts (main() runs it first: exit 2)."""
     try:
         dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size_from_env())
         args = build_model_args(cfg)
@@ -144,6 +144,13 @@ def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
         if cfg.profiling.memory and not torch.cuda.is_available():
             raise ConfigError("profiling.memory", "records CUDA allocations (torch.cuda.memory) and this host has "
                               "no CUDA device; use profiling.enable for the operator profile")
+        limit = cfg.training.device_memory_limit_gib
+        if limit:
+            card = (torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory
+                    if torch.cuda.is_available() else None)
+            why = memory_limit_error(limit, total_bytes=card)
+            if why:
+                raise ConfigError("training.device_memory_limit_gib", why)
         if torch.cuda.is_available():
             check_offload_host_memory(cfg, args, cp=dims.cp,
                                       local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
@@ -216,6 +223,11 @@ class Trainer:
         self.argv = argv  # train.py's arguments, for the start-up summary's planned figures (None: no plan)
         dims, self.args = check_layout(cfg)
         self.rank, self.world, self.device = init_distributed(cpu_backend=cfg.optimizer.cpu_offload)
+        if cfg.training.device_memory_limit_gib:
+            fraction = limit_device_memory(cfg.training.device_memory_limit_gib, self.device)
+            if self.rank == 0:
+                logger.info("CUDA memory limit: %g GiB per process (%.1f%% of the card; "
+                            "training.device_memory_limit_gib)", cfg.training.device_memory_limit_gib, 100 * fraction)
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
         self.dims = dims
