@@ -122,9 +122,9 @@ def init_distributed(*, cpu_backend: bool = False) -> tuple[int, int, torch.devi
 
 def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
     """The parallel layout checked against WORLD_SIZE (torchrun sets it before Python starts) and the model args,
-    profiling.memory and training.device_memory_limit_gib against the device (CUDA only), and on a GPU host the
-    pinned memory of activation_checkpoint.offload_inputs against the host's: ConfigErrors naming the keys, raised
-    before any process group starts (main() runs it first: exit 2)."""
+    profiling.memory against the host (CUDA only), and on a GPU host the pinned memory of
+    activation_checkpoint.offload_inputs against the host's: ConfigErrors naming the keys, raised before any
+    process group starts (main() runs it first: exit 2)."""
     try:
         dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size_from_env())
         args = build_model_args(cfg)
@@ -144,13 +144,6 @@ def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
         if cfg.profiling.memory and not torch.cuda.is_available():
             raise ConfigError("profiling.memory", "records CUDA allocations (torch.cuda.memory) and this host has "
                               "no CUDA device; use profiling.enable for the operator profile")
-        limit = cfg.training.device_memory_limit_gib
-        if limit:
-            card = (torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory
-                    if torch.cuda.is_available() else None)
-            why = memory_limit_error(limit, total_bytes=card)
-            if why:
-                raise ConfigError("training.device_memory_limit_gib", why)
         if torch.cuda.is_available():
             check_offload_host_memory(cfg, args, cp=dims.cp,
                                       local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
@@ -158,6 +151,18 @@ def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
     except ConfigError as e:
         raise cfg.with_source(e) from None
     return dims, args
+
+
+def check_device_memory_limit(cfg: JobConfig) -> None:
+    """training.device_memory_limit_gib against this host's device (not in check_layout: the planner plans it for
+    a card it does not have); a ConfigError naming the key."""
+    limit = cfg.training.device_memory_limit_gib
+    if limit:
+        card = (torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory
+                if torch.cuda.is_available() else None)
+        why = memory_limit_error(limit, total_bytes=card)
+        if why:
+            raise cfg.with_source(ConfigError("training.device_memory_limit_gib", why))
 
 
 def offload_pinned_bytes(cfg: JobConfig, args: Glm5ModelArgs, *, cp: int) -> int:
@@ -222,6 +227,7 @@ class Trainer:
         self.cfg = cfg
         self.argv = argv  # train.py's arguments, for the start-up summary's planned figures (None: no plan)
         dims, self.args = check_layout(cfg)
+        check_device_memory_limit(cfg)
         self.rank, self.world, self.device = init_distributed(cpu_backend=cfg.optimizer.cpu_offload)
         if cfg.training.device_memory_limit_gib:
             fraction = limit_device_memory(cfg.training.device_memory_limit_gib, self.device)
@@ -698,6 +704,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = load_config(argv)  # ConfigError -> exit 2 before any process group starts
     check_layout(cfg)  # the same for the parallel layout against the world size and the model
+    check_device_memory_limit(cfg)
     check_output_folders(cfg)  # and for the folders it will write into
     init_logging(rank=int(os.environ.get("RANK", 0)))
     if torch.cuda.is_available():

@@ -319,3 +319,16 @@ def test_what_if_names_the_trainers_reason_for_a_layout_of_the_wrong_size(monkey
         with pytest.raises(ConfigError) as err:
             run([*DEBUG, "--gpus", "2", *what_if, *layout])
         assert str(err.value) == message
+
+
+def test_device_memory_limit_is_the_plans_budget():
+    """training.device_memory_limit_gib below MEMORY_BUDGET of the card becomes the budget the plan is held to (and
+    can fail it); a limit above that share leaves the budget alone. The planner plans it on a host without the card."""
+    proxy = ["--config", "train_configs/glm5_3_flash_proxy.toml", "--gpus", "1", "--json"]
+    free = json.loads(run(proxy))
+    assert free["memory"]["budget_gib"] == pytest.approx(0.9 * free["memory"]["capacity_gib"], abs=0.01)
+    limited = json.loads(run([*proxy, "--training.device_memory_limit_gib", "20"]))
+    assert limited["memory"]["budget_gib"] == 20 and not limited["memory"]["fits"]
+    assert limited["memory"]["peak_gib"] == free["memory"]["peak_gib"]
+    loose = json.loads(run([*proxy, "--training.device_memory_limit_gib", "139"]))
+    assert loose["memory"]["budget_gib"] == free["memory"]["budget_gib"]

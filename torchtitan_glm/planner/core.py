@@ -55,7 +55,7 @@ PLAN_FIELDS = {
 MEMORY_FIELDS = {
     "peak_gib": (float, "largest allocated sum of the step"), "peak_at": (str, "where in the step"),
     "reserved_gib": (float, "estimate of the allocator's reserve"), "reserved_at": (str, "where in the step"),
-    "capacity_gib": (float, "the card"), "budget_gib": (float, "MEMORY_BUDGET of the card"),
+    "capacity_gib": (float, "the card"), "budget_gib": (float, "MEMORY_BUDGET of the card, or training.device_memory_limit_gib if lower"),
     "fits": (bool, "max(peak, reserved) <= budget"),
     "breakdown_gib": (dict, "at the peak: parameters, gradients, optimizer, activations, fsdp_buffers, working, loss"),
     "activations_by_layer_type_gib": (dict, "kept activations summed per layer type (+ final_norm, lm_head_ce)"),
@@ -106,7 +106,10 @@ class Plan:
 
     @property
     def budget(self) -> float:
-        return MEMORY_BUDGET * self.request.gpu.memory_bytes
+        """MEMORY_BUDGET of the card, or training.device_memory_limit_gib where that is set and lower."""
+        card = MEMORY_BUDGET * self.request.gpu.memory_bytes
+        limit = self.cfg.training.device_memory_limit_gib * 2**30
+        return min(card, limit) if limit else card
 
     @property
     def fits(self) -> bool:

@@ -27,7 +27,7 @@ def plan_text(p: Plan) -> str:
     config = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else next(
         (a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "(default config)")
     verdict = "accepts it" if p.verdict.accepted else f"REJECTS it today: {p.verdict.message}"
-    budget = MEMORY_BUDGET * r.gpu.memory_bytes
+    budget = p.budget
     fit = "fits" if p.fits else "DOES NOT FIT"
     if not p.fits and m.peak <= budget < m.reserved:
         # the reserve is cached blocks (other streams' pools): the allocator releases them before it fails
