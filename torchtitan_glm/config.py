@@ -193,7 +193,8 @@ class TrainingConfig(_Section):
     skipped_steps); max_consecutive_nonfinite: with "skip", stop after this many non-finite steps in a row;
     device_memory_limit_gib: CUDA memory this process may reserve (torch.cuda.set_per_process_memory_fraction),
     0 = the whole card. Under it the caching allocator gives cached blocks back before an allocation would pass the
-    limit, so the reserve stays within it (for a budget, or to leave room for a co-located rollout engine).
+    limit, so the reserve stays within it (for a budget, or to leave room for a co-located rollout engine). It
+    bounds the caching allocator only: the CUDA context, NCCL's buffers and library workspaces come on top.
     """
 
     SECTION: ClassVar[str] = "training"

@@ -75,3 +75,33 @@ def test_device_document_ids_are_copied_to_the_host_once_per_forward():
     device_only, hidden = syncs(doc_ids=host.cuda())
     assert device_only == given + 1, (device_only, given)
     torch.testing.assert_close(hidden, expected, rtol=0, atol=0)
+
+
+def test_decode_prefill_copies_its_padding_ids_to_the_host_once():
+    """The decode prefill of left-padded prompts gives the padding its own document id, on the device; its KDA layers
+    read batch_layout's one host copy, so padded prompts cost one synchronising call more than unpadded ones."""
+    import warnings
+
+    from tests.compile.builders import build_model
+    from tests.gpu.test_kda_fla import _fla_usable
+    from torchtitan_glm.models.glm5.decode import prefill
+
+    if not _fla_usable():
+        pytest.skip("needs fla-core with triton")
+    model = build_model().cuda().eval()
+    tokens = torch.randint(0, model.args.vocab_size, (2, 64), device="cuda")
+
+    def syncs(lengths) -> int:
+        torch.cuda.synchronize()
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                prefill(model, tokens, lengths=lengths, capacity=80)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    full, padded = torch.tensor([64, 64], device="cuda"), torch.tensor([64, 40], device="cuda")
+    syncs(full), syncs(padded)  # first calls: autotuning, lazy state
+    assert syncs(padded) == syncs(full) + 1

@@ -139,3 +139,20 @@ def test_local_pieces():
     assert pieces[0] == [(0, 2), (6, 8), (8, 17), (35, 44), (44, 49), (59, 64)]
     seg = CPLayout(2, 1).local_segment_ids(doc_ids_for([[64]]))
     assert seg.tolist() == [[0] * 16 + [1] * 16]  # FLA restarts (and chains) at the chunk join
+
+
+def test_rows_without_document_ids_keep_host_ids_under_cp():
+    """A batch without document ids (data.document_masking = false) under context parallelism gets all-zero ids on
+    the host as well as on the device, so the zigzag sharding and the KDA op never copy ids back from the device;
+    each rank's shard is the one the explicit one-document ids give."""
+    from torchtitan_glm.models.glm5.batch import train_batch
+
+    tokens = torch.arange(32).view(2, 16)
+    for rank in range(2):
+        layout = CPLayout(size=2, rank=rank)
+        got = train_batch(tokens, tokens, None, cp=(None, layout))
+        want = train_batch(tokens, tokens, torch.zeros_like(tokens), cp=(None, layout))
+        assert got.host_doc_ids is not None and got.host_doc_ids.ids.device.type == "cpu"
+        assert not got.host_doc_ids.ids.any() and got.host_doc_ids.ids.shape == tokens.shape
+        for a, b in zip(got[:4], want[:4]):
+            assert torch.equal(a, b)

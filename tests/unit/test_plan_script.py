@@ -332,3 +332,11 @@ def test_device_memory_limit_is_the_plans_budget():
     assert limited["memory"]["peak_gib"] == free["memory"]["peak_gib"]
     loose = json.loads(run([*proxy, "--training.device_memory_limit_gib", "139"]))
     assert loose["memory"]["budget_gib"] == free["memory"]["budget_gib"]
+
+
+def test_device_memory_limit_above_the_card_is_refused_naming_the_key():
+    """As train.py refuses it on that card (exit 2 from the script), for a plan and for a search."""
+    for extra in ([], ["--search"]):
+        with pytest.raises(ConfigError, match=r"training.device_memory_limit_gib.*is 200 GiB and the device has"):
+            run(["--config", "train_configs/glm5_3_flash_proxy.toml", "--gpus", "1", *extra,
+                 "--training.device_memory_limit_gib", "200"])

@@ -212,6 +212,13 @@ def test_layout_note_says_what_changed_and_where_the_data_continues():
     note = layout_note(info(dp2, 8), info(tp2, 4), next_row=80)
     assert "global batch changed from 8 to 4 rows" in note and "training.global_batch_size = 8" in note
     assert layout_note({"config": {}}, info(tp2, 4), next_row=80) is None  # a checkpoint from before: no facts
+    plain = load_config(["--config", "train_configs/debug_model.toml", "--data.document_masking", "false"])
+    unmasked = run_info(cfg=plain, args=plain.model.model_args(), tokenizer_vocab_size=259, layout=dp2,
+                        global_batch_rows=8)
+    assert layout_note(info(dp2, 8), unmasked, next_row=80) == (
+        "data.document_masking changed from true to false: the same rows continue at global row 80, from here on "
+        "each as one causal sequence, every label counted")
+    assert "restarting at each document" in layout_note(unmasked, info(dp2, 8), next_row=80)
 
 
 def test_startup_summary_shows_the_pinned_host_memory_of_offload_inputs():

@@ -101,10 +101,12 @@ def schedule_note(saved: dict[str, Any], current: dict[str, Any], step: int) -> 
 
 
 def layout_note(saved: dict[str, Any], current: dict[str, Any], *, next_row: int) -> str | None:
-    """One sentence on a resume under another parallel layout or global batch (None: neither changed).
+    """One sentence on a resume under another parallel layout, global batch or data.document_masking (None: none
+    changed).
 
     Model and optimizer state are resharded by DCP and the data continues at the saved global row, so a changed
-    layout with the same global batch computes the uninterrupted run's losses (to reduction-order round-off)."""
+    layout with the same global batch computes the uninterrupted run's losses (to reduction-order round-off). The
+    rows are the same whether documents are masked or not; what the model attends and which labels count change."""
     old_layout, new_layout = saved.get("layout"), current.get("layout")
     old_rows, new_rows = saved.get("global_batch_rows"), current.get("global_batch_rows")
     note = []
@@ -116,6 +118,13 @@ def layout_note(saved: dict[str, Any], current: dict[str, Any], *, next_row: int
                     f"; -1: local_batch_size x the data-parallel degree): the data continues at global row {next_row},"
                     f" in batches of {new_rows}; set training.global_batch_size = {old_rows} to continue the same "
                     "batches")
+    old_mask, new_mask = (info.get("config", {}).get("data", {}).get("document_masking", True)
+                          for info in (saved, current))
+    if old_mask != new_mask:
+        note.append(f"data.document_masking changed from {str(old_mask).lower()} to {str(new_mask).lower()}: the "
+                    f"same rows continue at global row {next_row}, from here on "
+                    + ("with attention, state and labels restarting at each document" if new_mask else
+                       "each as one causal sequence, every label counted"))
     return "; ".join(note) or None
 
 

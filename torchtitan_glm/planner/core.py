@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from torchtitan_glm.components.cuda_alloc import memory_limit_error
 from torchtitan_glm.config import ConfigError, JobConfig, load_config
 from torchtitan_glm.distributed.fsdp_comms import compute_pool_wanted
 
@@ -167,7 +168,7 @@ def assumptions(gpu: GpuSpec) -> list[str]:
         *gpu.assumptions(),
         "memory: allocated bytes walked block by block; the reserve adds the caching allocator's per-stream pools "
         "(FSDP2's reduce-scatter outputs and all-gather buffers); a plan fits when the larger of the two is within "
-        f"{MEMORY_BUDGET:.0%} of the card",
+        f"{MEMORY_BUDGET:.0%} of the card, or within training.device_memory_limit_gib where that is lower",
         "activations: per-block inventories checked against saved-tensor captures on CPU (the same kernels' tensors "
         "on CUDA, plus FLA's KDA residuals); tensor parallelism (no sequence parallelism) divides the split heads' "
         "and columns' terms by tp",
@@ -262,11 +263,19 @@ def plan_layout(request: Request, cfg: JobConfig, inv: ModelInventory, layout: L
     return Plan(request, cfg, layout, verdict, regime, memory, time, inv.float8_line)
 
 
+def _check_memory_limit(cfg: JobConfig, gpu: GpuSpec) -> None:
+    """train.py refuses a training.device_memory_limit_gib above the card (exit 2 naming the key); so does the plan."""
+    why = memory_limit_error(cfg.training.device_memory_limit_gib, total_bytes=gpu.memory_bytes)
+    if cfg.training.device_memory_limit_gib and why:
+        raise ConfigError("training.device_memory_limit_gib", f"{why} ({gpu.name})")
+
+
 def plan(request: Request) -> Plan:
     """Plan the layout the request's arguments state (the config's [parallelism] plus `--parallelism.*` overrides).
 
     A layout the trainer rejects raises its ConfigError (same message, exit 2 from the script), unless `what_if`."""
     cfg, fields, rest = load_request(request)
+    _check_memory_limit(cfg, request.gpu)
     if request.scope != "train":
         if request.gpus != 1:
             raise PlanError(f"scope {request.scope!r} is scripts/benchmark.py on one device; got --gpus {request.gpus}")
@@ -295,6 +304,7 @@ def search(request: Request, *, top: int = 5, regimes: tuple[str, ...] | None = 
     in `local_batches` (default: the config's), planned; those that fit ranked by tokens/s. Layouts the trainer
     rejects are skipped unless `what_if` (then planned and marked with its message)."""
     cfg, _, rest = load_request(request)
+    _check_memory_limit(cfg, request.gpu)
     inv = build_inventory(cfg, scope="train")
     cands = candidate_layouts(request.gpus, args=inv.args, seq_len=cfg.training.seq_len,
                               gpus_per_node=request.gpu.gpus_per_node)
@@ -312,4 +322,4 @@ def search(request: Request, *, top: int = 5, regimes: tuple[str, ...] | None = 
                 plans.append(plan_layout(request, cfg, inv, layout, verdict, regime=regime, local_batch=batch))
     fitting = sorted((p for p in plans if p.fits), key=lambda p: -p.time.tokens_per_s)
     return {"inventory": inv, "plans": plans, "fitting": fitting, "top": fitting[:top], "candidates": len(cands),
-            "rejected": rejected}
+            "rejected": rejected, "memory_limit_gib": cfg.training.device_memory_limit_gib}

@@ -107,7 +107,9 @@ def search_text(result: dict, *, gpus: int, gpu_name: str) -> str:
     plans, fitting = result["plans"], result["fitting"]
     lines = [f"search: {result['candidates']} layouts of {gpus} x {gpu_name} the cost model describes, "
              f"{len(result['rejected'])} rejected by the trainer today; {len(plans)} plans, {len(fitting)} fit "
-             f"within {MEMORY_BUDGET:.0%} of the card"]
+             f"within {MEMORY_BUDGET:.0%} of the card"
+             + (f" and {result['memory_limit_gib']:g} GiB (training.device_memory_limit_gib)"
+                if result.get("memory_limit_gib") else "")]
     if not fitting:
         closest = sorted(plans, key=lambda p: max(p.memory.peak, p.memory.reserved))[:3]
         lines.append("nothing fits; the closest:" if closest else "nothing to plan (every layout was rejected; "

@@ -101,8 +101,9 @@ def train_batch(tokens: Tensor, labels: Tensor, doc_ids: Tensor | None = None, *
     if cp is None:
         return TrainBatch(tokens, labels, next_tokens, mtp_labels, doc_ids, None, host)
     layout = cp[1]
-    if doc_ids is None:
+    if doc_ids is None:  # one document per row; the zigzag layout reads the ids on the host, so make them there too
         doc_ids = torch.zeros_like(tokens)
+        host = HostDocIds(torch.zeros(tokens.shape, dtype=torch.long))
     layout_ids = doc_ids if host is None else host.ids
     local = [layout.shard(t, doc_ids=layout_ids) for t in (tokens, labels, next_tokens, mtp_labels)]
     return TrainBatch(*local, doc_ids, cp, host)

@@ -171,7 +171,7 @@ class KimiDeltaAttention(nn.Module):
             tails.append(F.pad(h[:, -width:] if width else h[:, :0], (0, 0, max(0, width - h.shape[1]), 0)))
         g = self.decay(self.f_b_proj(self.f_a_proj(x)))
         beta = torch.sigmoid(self.b_proj(x))
-        o, state = kda_prefill(*qkv, g, beta, batch.doc_ids, self.safe_gate)
+        o, state = kda_prefill(*qkv, g, beta, batch.kda_seq_idx, self.safe_gate)  # host ids: no copy per layer
         return self._gated_output(o, x), KDACache(state, tails)
 
     def decode(self, x: torch.Tensor, cache: KDACache, pos: torch.Tensor) -> torch.Tensor:
