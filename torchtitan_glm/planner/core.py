@@ -56,7 +56,8 @@ PLAN_FIELDS = {
 MEMORY_FIELDS = {
     "peak_gib": (float, "largest allocated sum of the step"), "peak_at": (str, "where in the step"),
     "reserved_gib": (float, "estimate of the allocator's reserve"), "reserved_at": (str, "where in the step"),
-    "capacity_gib": (float, "the card"), "budget_gib": (float, "MEMORY_BUDGET of the card, or training.device_memory_limit_gib if lower"),
+    "capacity_gib": (float, "the card"),
+    "budget_gib": (float, "MEMORY_BUDGET of the card, or training.device_memory_limit_gib if lower"),
     "fits": (bool, "max(peak, reserved) <= budget"),
     "breakdown_gib": (dict, "at the peak: parameters, gradients, optimizer, activations, fsdp_buffers, working, loss"),
     "activations_by_layer_type_gib": (dict, "kept activations summed per layer type (+ final_norm, lm_head_ce)"),

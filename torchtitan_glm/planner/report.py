@@ -33,9 +33,9 @@ def plan_text(p: Plan) -> str:
         # the reserve is cached blocks (other streams' pools): the allocator releases them before it fails
         fit += (" by its reserve estimate (blocks cached in FSDP2's stream pools); the allocated peak is within "
                 "the budget: it runs while the reserve stays under the card, past it the allocator releases cached "
-                "blocks when an allocation would fail (a cost per step; training.device_memory_limit_gib holds a run to a limit). Where "
-                "no parameter is split, parallelism.fsdp_reduce_in_compute_pool (unset: on there) keeps FSDP2's "
-                "gradients in one pool")
+                "blocks when an allocation would fail (a cost per step; training.device_memory_limit_gib holds a run "
+                "to a limit). Where no parameter is split, parallelism.fsdp_reduce_in_compute_pool (unset: on "
+                "there) keeps FSDP2's gradients in one pool")
     lines = [
         f"plan: {config} on {r.gpus} x {r.gpu.name} (scope {r.scope})",
         f"layout: {p.layout.describe()}; the trainer {verdict}; parallelisation: {p.design}",
