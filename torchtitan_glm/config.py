@@ -254,8 +254,8 @@ class DataConfig(_Section):
     KDA state, the DSA pools and the MTP restart at each document start in a packed row, and the label that would
     predict a document's first token from the previous document is ignored; false: each row is one causal
     sequence, as TorchTitan and Megatron-LM (without reset_attention_mask) train by default -- the model gets no
-    document ids, so attention runs with the plain causal kernels and the KDA kernels without varlen boundaries,
-    and every label counts.
+    document ids, so (without context parallelism) attention runs with the plain causal kernels and the KDA
+    kernels without varlen boundaries, and every label counts.
     """
 
     SECTION: ClassVar[str] = "data"

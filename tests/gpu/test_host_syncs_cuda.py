@@ -6,10 +6,17 @@ Passed on the H200 (2026-12-03)."""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
+from tests.compile.builders import build_model, doc_ids_for
+from tests.gpu.test_kda_fla import _fla_usable
 from tests.unit.test_host_syncs import _trainer
+from torchtitan_glm.models.glm5.decode import prefill
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -42,66 +49,52 @@ def test_a_training_step_does_not_sync(tmp_path, world_of_one, accumulate, optim
     assert all(torch.isfinite(torch.tensor(m["loss"])) and not m["nonfinite"] for m in metrics)
 
 
+
+def _count_syncs(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """(synchronising calls fn makes, as torch.cuda.set_sync_debug_mode("warn") reports them; fn's result), run
+    without gradients after the device is idle."""
+    torch.cuda.synchronize()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught), out
+
+
+@pytest.mark.skipif(not _fla_usable(), reason="needs fla-core with triton")
 def test_device_document_ids_are_copied_to_the_host_once_per_forward():
     """Document ids given only on the device (scripts, a decode prefill) are copied to the host once, in
     batch_layout, for the whole forward; the KDA layers then build their varlen layout from that copy instead of
     each copying the ids back itself. Counted as synchronising calls: the forward with device ids makes exactly one
     more than the same forward given the host copy, whatever the number of KDA layers."""
-    import warnings
-
-    from tests.compile.builders import build_model, doc_ids_for
-    from tests.gpu.test_kda_fla import _fla_usable
-
-    if not _fla_usable():
-        pytest.skip("needs fla-core with triton")
     model = build_model().cuda().eval()
     assert sum(not layer.is_dsa for layer in model.layers.values()) >= 2  # KDA layers
     host = doc_ids_for(1)
     tokens = torch.randint(0, model.args.vocab_size, host.shape, device="cuda")
 
-    def syncs(**ids) -> tuple[int, torch.Tensor]:
-        torch.cuda.synchronize()
-        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                hidden = model.hidden_states(tokens, with_mtp=False, **ids).hidden
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return sum("synchroniz" in str(w.message) for w in caught), hidden
+    def forward(**ids):
+        return model.hidden_states(tokens, with_mtp=False, **ids).hidden
 
-    syncs(doc_ids=host.cuda(), host_doc_ids=host)  # first call: autotuning, lazy state
-    given, expected = syncs(doc_ids=host.cuda(), host_doc_ids=host)
-    device_only, hidden = syncs(doc_ids=host.cuda())
+    _count_syncs(lambda: forward(doc_ids=host.cuda(), host_doc_ids=host))  # first call: autotuning, lazy state
+    given, expected = _count_syncs(lambda: forward(doc_ids=host.cuda(), host_doc_ids=host))
+    device_only, hidden = _count_syncs(lambda: forward(doc_ids=host.cuda()))
     assert device_only == given + 1, (device_only, given)
     torch.testing.assert_close(hidden, expected, rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not _fla_usable(), reason="needs fla-core with triton")
 def test_decode_prefill_copies_its_padding_ids_to_the_host_once():
     """The decode prefill of left-padded prompts gives the padding its own document id, on the device; its KDA layers
     read batch_layout's one host copy, so padded prompts cost one synchronising call more than unpadded ones."""
-    import warnings
-
-    from tests.compile.builders import build_model
-    from tests.gpu.test_kda_fla import _fla_usable
-    from torchtitan_glm.models.glm5.decode import prefill
-
-    if not _fla_usable():
-        pytest.skip("needs fla-core with triton")
     model = build_model().cuda().eval()
     tokens = torch.randint(0, model.args.vocab_size, (2, 64), device="cuda")
 
-    def syncs(lengths) -> int:
-        torch.cuda.synchronize()
-        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                prefill(model, tokens, lengths=lengths, capacity=80)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return sum("synchroniz" in str(w.message) for w in caught)
+    def syncs(lengths: list[int]) -> int:
+        lengths = torch.tensor(lengths, device="cuda")
+        return _count_syncs(lambda: prefill(model, tokens, lengths=lengths, capacity=80))[0]
 
-    full, padded = torch.tensor([64, 64], device="cuda"), torch.tensor([64, 40], device="cuda")
-    syncs(full), syncs(padded)  # first calls: autotuning, lazy state
-    assert syncs(padded) == syncs(full) + 1
+    syncs([64, 64]), syncs([64, 40])  # first calls: autotuning, lazy state
+    assert syncs([64, 40]) == syncs([64, 64]) + 1

@@ -267,7 +267,7 @@ def plan_layout(request: Request, cfg: JobConfig, inv: ModelInventory, layout: L
 def _check_memory_limit(cfg: JobConfig, gpu: GpuSpec) -> None:
     """train.py refuses a training.device_memory_limit_gib above the card (exit 2 naming the key); so does the plan."""
     why = memory_limit_error(cfg.training.device_memory_limit_gib, total_bytes=gpu.memory_bytes)
-    if cfg.training.device_memory_limit_gib and why:
+    if why:
         raise ConfigError("training.device_memory_limit_gib", f"{why} ({gpu.name})")
 
 

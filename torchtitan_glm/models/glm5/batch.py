@@ -46,7 +46,7 @@ class BatchLayout(NamedTuple):
     cp: CPContext | None = None
     indexer_kl: str | None = None  # None | "sparse" | "dense": what each DSA layer's indexer KL is computed over
     seq_aux: bool = False  # MoE layers return the sequence-level balance loss
-    host_doc_ids: Tensor | None = None  # doc_ids on the host when the batch came from there (KDA's varlen metadata)
+    host_doc_ids: Tensor | None = None  # doc_ids on the host: the loader's, or batch_layout's one copy (KDA's varlen)
 
     @property
     def kda_seq_idx(self) -> Tensor | None:
