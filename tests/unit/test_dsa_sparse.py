@@ -212,7 +212,7 @@ def test_one_document_rows_run_their_full_selection_rows_causal(kl, chunk, sdpa_
         loss = out.square().mean() + (stats.kl_sum / stats.rows if stats is not None else 0)
         grads = torch.autograd.grad(loss, [xi, *attn.parameters()], allow_unused=True)
         results[max_len, causal_rows] = (out, indices, None if stats is None else stats.kl_sum, grads, list(calls))
-    assert attn.full_selection_rows == 19
+    assert _attn(seed=3).causal_rows(seqlen) == 19 and attn.causal_rows(seqlen) == 0  # the last: the flag off
     plain = [c for c in results[seqlen, True][4] if c[2]]
     assert plain == [(19, 19, True)], results[seqlen, True][4]
     assert not any(c[2] for c in results[seqlen, False][4])
@@ -263,5 +263,5 @@ def test_causal_rows_without_the_tail_and_with_single_token_pools(overrides, row
     for max_len in (0, seqlen):
         attn = _attn(seed=4, dsa_dense_max_len=max_len, **overrides)
         outs.append(attn(x, BatchLayout(doc, None))[0])
-    assert attn.full_selection_rows == rows
+    assert attn.causal_rows(seqlen) == rows
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)

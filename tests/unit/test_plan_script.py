@@ -340,3 +340,36 @@ def test_device_memory_limit_above_the_card_is_refused_naming_the_key():
         with pytest.raises(ConfigError, match=r"training.device_memory_limit_gib.*is 200 GiB and the device has"):
             run(["--config", "train_configs/glm5_3_flash_proxy.toml", "--gpus", "1", *extra,
                  "--training.device_memory_limit_gib", "200"])
+
+
+def test_document_masking_false_plans_one_causal_sequence_per_row():
+    """data.document_masking false: the rows have no document ids. The proxy's DSA rows at T = 4,096 (at most
+    dsa_dense_max_len: masked SDPA in query chunks) then run their first index_topk + kpool - 1 queries in the causal
+    kernel, at its rate; in the dense stage every row does and no [T, T] mask is kept (one byte per pair, per DSA
+    block: the two DSA layers and the MTP layer). Under context parallelism the rows keep ids: nothing changes."""
+    from torchtitan_glm.ops.masked_attention import masked_keys_per_query
+    from torchtitan_glm.planner.hardware import H200
+
+    base = ["--config", "train_configs/glm5_3_flash_proxy.toml", "--gpus", "1", "--json",
+            "--activation_checkpoint.mode", "none"]
+    seq, chunk = 4096, 1024
+    args = build_model_args(load_config(base[:2]))
+    assert args.dense_dsa_kernel(seq) and args.dsa_mask_query_chunk == chunk and args.num_dsa_layers == 2
+
+    def plan(*extra: str) -> dict:
+        return json.loads(run([*base, *extra]))
+
+    def attention_s(causal_rows: int) -> float:
+        masked, causal = masked_keys_per_query(seq, chunk, causal_rows)
+        return masked / H200.attention_masked + causal / H200.attention_causal
+
+    for stage, rows in (([], args.index_topk + args.index_kpool - 1), (["--loss.indexer_stage", "dense_warmup"], seq)):
+        packed, one = plan(*stage), plan(*stage, "--data.document_masking", "false")
+        ratio = one["time"]["compute_s"]["dsa_attention"] / packed["time"]["compute_s"]["dsa_attention"]
+        assert ratio == pytest.approx(attention_s(rows) / attention_s(0), rel=1e-3), stage
+        kept = packed["memory"]["activation_terms_gib"]["attention"] - one["memory"]["activation_terms_gib"]["attention"]
+        mask = 3 * seq * seq / 2**30 if stage else 0.0  # the sparse stage still forms the selection's mask
+        assert kept == pytest.approx(mask, abs=2e-3), stage
+    cp = ["--parallelism.context_parallel_degree", "2", "--gpus", "2", "--parallelism.data_parallel_shard_degree", "1"]
+    with_ids, without = plan(*cp), plan(*cp, "--data.document_masking", "false")
+    assert (with_ids["time"], with_ids["memory"]) == (without["time"], without["memory"])

@@ -60,11 +60,11 @@ class _Capture(nn.Module):
             return self.inner(*args, **kwargs)
 
 
-def captured_model(mode: str, ac: str, recompute: tuple[str, ...] = ()
+def captured_model(mode: str, ac: str, recompute: tuple[str, ...] = (), **overrides
                    ) -> tuple[Glm5Model, dict[str, dict[int, int]], torch.Tensor, torch.Tensor]:
-    """The small model (BF16 weights) with each block of KINDS wrapped for `ac`, compiled if `mode` says so, and
-    captured; its sinks (storage -> bytes per block) and one row of tokens and labels (one document)."""
-    args = get_flavor("debug").replace(**WIDTHS)
+    """The small model (BF16 weights, WIDTHS and `overrides`) with each block of KINDS wrapped for `ac`, compiled if
+    `mode` says so, and captured; its sinks (storage -> bytes per block) and one row of tokens and labels."""
+    args = get_flavor("debug").replace(**WIDTHS, **overrides)
     torch.manual_seed(0)
     model = Glm5Model(args).to(torch.bfloat16)
     ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -86,20 +86,24 @@ def captured_model(mode: str, ac: str, recompute: tuple[str, ...] = ()
     return model, sinks, tokens, labels
 
 
-def measured_saved(mode: str, ac: str, *, sparse_kl: bool = False, recompute: tuple[str, ...] = ()) -> dict[str, int]:
-    """Bytes each captured block keeps, for one training step of the small model."""
+def measured_saved(mode: str, ac: str, *, sparse_kl: bool = False, recompute: tuple[str, ...] = (),
+                   document_masking: bool = True, **overrides) -> dict[str, int]:
+    """Bytes each captured block keeps, for one training step of the small model: one document with its ids, as
+    train.py's loader passes them, or (document_masking false) no ids, one causal sequence."""
     torch._dynamo.reset()  # every call compiles the same wrapper code again: no recompile limit across calls
-    model, sinks, tokens, labels = captured_model(mode, ac, recompute)
-    out = model(tokens, labels, doc_ids=torch.zeros_like(tokens), token_scale=1.0 / SEQ, mtp_scale=0.1 / SEQ,
+    model, sinks, tokens, labels = captured_model(mode, ac, recompute, **overrides)
+    doc_ids = torch.zeros_like(tokens) if document_masking else None
+    out = model(tokens, labels, doc_ids=doc_ids, token_scale=1.0 / SEQ, mtp_scale=0.1 / SEQ,
                 indexer_kl="sparse" if sparse_kl else "dense")
     (out.loss + indexer_kl_loss(out.indexer_stats)).backward()
     return {name: sum(s.values()) for name, s in sinks.items()}
 
 
-def planned_saved(regime: str, recompute: tuple[str, ...] = ()) -> dict[str, float]:
-    args = get_flavor("debug").replace(**WIDTHS)
+def planned_saved(regime: str, recompute: tuple[str, ...] = (), *, document_masking: bool = True,
+                  **overrides) -> dict[str, float]:
+    args = get_flavor("debug").replace(**WIDTHS, **overrides)
     ctx = ActContext(args=args, batch=1, seq=SEQ, keys=SEQ, act=2, device="cpu", fp32_params=False,
-                     recompute=recompute)
+                     recompute=recompute, document_masking=document_masking)
     return {name: sum(saved(kind, regime, ctx).values()) for name, kind in KINDS.items()}
 
 
@@ -120,6 +124,21 @@ def test_eager_inventories_match_saved_tensors():
                                        pytest.param("full", "full", marks=pytest.mark.slow)])
 def test_compiled_inventories_match_saved_tensors(ac, regime):  # 30-70 s each on 2 CPU cores (tracing, no codegen)
     _compare(measured_saved("compiled", ac), planned_saved(regime))
+
+
+@pytest.mark.parametrize("mode,ac,regime", [("eager", "none", "eager"),
+                                             pytest.param("compiled", "none", "compiled", marks=pytest.mark.slow),
+                                             pytest.param("compiled", "full", "full", marks=pytest.mark.slow)])
+def test_document_ids_cost_what_the_plan_says(mode, ac, regime):
+    """data.document_masking false passes no document ids: each block's measured saving equals the planned one to
+    the byte (the KDA blocks' ids, their convs' positions in the document and tap masks; a DSA block makes its own
+    ids from the row either way), and each inventory without ids still matches its capture."""
+    with_ids, without = measured_saved(mode, ac), measured_saved(mode, ac, document_masking=False)
+    planned_with, planned_without = planned_saved(regime), planned_saved(regime, document_masking=False)
+    _compare(without, planned_without)
+    saving = {n: with_ids[n] - without[n] for n in with_ids}
+    assert saving == {n: planned_with[n] - planned_without[n] for n in with_ids}
+    assert saving["layers.0"] > 0 and saving["layers.3"] == 0
 
 
 def test_compiled_inventories_with_every_recompute_module():  # ~16 s: one compile of the selective blocks

@@ -50,9 +50,22 @@ class ActContext:
     compiled: bool = True  # the blocks are compiled: under AC what a block holds while it runs is its compiled
     # inventory, in eager its eager one
     recompute: tuple[str, ...] = ()  # activation_checkpoint.recompute_modules (selective): labels not kept
+    # the rows carry document ids (data.document_masking; under CP always): false, each row is one causal sequence,
+    # so no block keeps ids and the dense DSA kernel runs causal rows without a mask (dsa.py, masked_attention.py)
+    document_masking: bool = True
 
     def recomputes(self, label: str) -> bool:
         return label in self.recompute
+
+    @property
+    def causal_dsa_rows(self) -> int:
+        """Leading rows the dense DSA kernel runs causal with no mask: one-document rows only."""
+        return 0 if self.document_masking or self.cp > 1 else self.args.causal_dsa_rows(self.keys)
+
+    @property
+    def dsa_mask(self) -> bool:
+        """Whether the dense DSA kernel forms a [T, T] mask (all but a one-document dense stage)."""
+        return self.causal_dsa_rows < self.keys
 
     @property
     def running(self) -> str:
@@ -158,7 +171,8 @@ def _kda(t: _Terms, regime: str) -> None:
         t.tok("kda", 3 * hk * a
               + 4 * hk + 4 * hk * a  # decay (FP32); f_b, KDA output, g_b, o_norm output
               + 4 * h + h * a, heads=True)  # o_norm rsqrt, beta
-        t.tok("kda", 2 * k * a + 8)  # f_a/g_a outputs, positions (the convs recompute their tap masks)
+        # f_a/g_a outputs; with document ids the convs' positions in the document and their FP32 tap masks
+        t.tok("kda", 2 * k * a + (8 + 4 * (w - 1) if c.document_masking else 0))
         t.tok("block_out", d * a)  # o_proj output
         return
     if not c.fp32_params:
@@ -169,7 +183,8 @@ def _kda(t: _Terms, regime: str) -> None:
           + h * a  # beta
           + 2 * hk * a + 4 * h  # gated RMSNorm (gated_norm.py): the KDA output and the gate; rsqrt
           + hk * a, heads=True)  # o_proj input
-    t.tok("kda", d * a + 2 * k * a + 8)  # the projections' input, f_a/g_a outputs, document ids
+    # the projections' input, f_a/g_a outputs; with document ids the convs' positions in the document and the ids
+    t.tok("kda", d * a + 2 * k * a + (16 if c.document_masking else 0))
 
 
 def selected_tokens(args: Glm5ModelArgs, keys: int) -> int:
@@ -247,7 +262,8 @@ def _dsa(t: _Terms, regime: str, *, indexer: bool) -> None:
             t.tok("attention", 2 * h * kvl * a + 4 * h, heads=True)  # absorbed q, output, lse
         else:
             t.tok("attention", (h * (dqk + dv) + h * dv) * a + 4 * h, heads=True)  # kv_b, SDPA output, lse
-            t.tok("attention", keys)  # the boolean mask
+            if c.dsa_mask:
+                t.tok("attention", keys)  # the boolean mask
         t.tok("block_out", d * a)
         if kl:
             t.tok("indexer", kl_grads + 8)  # the KL's gradients, LN stats
@@ -263,7 +279,8 @@ def _dsa(t: _Terms, regime: str, *, indexer: bool) -> None:
         t.tok("attention", 2 * h * kvl * a + 4 * h, heads=True)
     else:
         t.tok("attention", (h * (dqk + dv) + h * dv) * a + 4 * h, heads=True)
-        t.tok("attention", keys * a)  # the float bias
+        if c.dsa_mask:
+            t.tok("attention", keys * a)  # the float bias
     latent(1, "attention")
     if kl:
         if not c.fp32_params:
@@ -325,8 +342,10 @@ def saved(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bool = Fal
     args, a = ctx.args, ctx.act
     d, n = args.hidden_size, args.hc_mult
     # [B, T] int64 inputs a checkpointed block keeps: document ids and positions (full AC: the DSA blocks' document
-    # keys too)
+    # keys too); without document ids a KDA block gets neither (a DSA block makes its own from the row)
     ints = 8 * (3 if regime == "full" and ("dsa" in kind or kind == "mtp") else 2)
+    if kind.startswith("kda") and not ctx.document_masking:
+        ints = 0
     if ctx.cp > 1 and regime == "full":
         ints = 0  # captured under CP: the checkpoint records no int64 input (tests/distributed/test_planner_cp.py)
     if regime == "full" and ctx.offload_inputs:
@@ -419,7 +438,7 @@ def forward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: boo
 
 def _dsa_forward_work(ctx: ActContext, *, indexer: bool) -> float:
     args, a = ctx.args, ctx.act
-    if args.dense_dsa_kernel(ctx.keys):  # masked SDPA: its boolean mask and the float bias made from it
+    if args.dense_dsa_kernel(ctx.keys) and ctx.dsa_mask:  # masked SDPA: its boolean mask and the float bias
         work = _per_token(ctx, ctx.keys * (1 + a))
     else:
         work = 0.0

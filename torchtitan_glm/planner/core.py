@@ -173,7 +173,9 @@ def assumptions(gpu: GpuSpec) -> list[str]:
         "activations: per-block inventories checked against saved-tensor captures on CPU (the same kernels' tensors "
         "on CUDA, plus FLA's KDA residuals); tensor parallelism (no sequence parallelism) divides the split heads' "
         "and columns' terms by tp",
-        "DSA: absorbed sparse MLA over index_topk + kpool - 1 tokens; the indexer's tiled top-k and KL in FP32",
+        "DSA: absorbed sparse MLA over index_topk + kpool - 1 tokens, or masked SDPA for the dense stage and rows of "
+        "at most dsa_dense_max_len tokens (with data.document_masking false and no CP, the rows whose mask is plain "
+        "causal run the causal kernel with no mask); the indexer's tiled top-k and KL in FP32",
         "expert load balanced (each rank's experts receive tokens x top-k rows); FSDP collectives hidden behind one "
         "neighbouring unit's compute; EP all-to-all, TP, CP, the routed experts' gathers and reduce-scatters inside "
         "their op (expert_fsdp) and the out-of-FSDP gradient all-reduces not hidden",
@@ -242,7 +244,8 @@ def plan_layout(request: Request, cfg: JobConfig, inv: ModelInventory, layout: L
                      moe_chunk=cfg.activation_checkpoint.moe_chunk_tokens,
                      offload_inputs=cfg.activation_checkpoint.offload_inputs and regime == "full",
                      recompute=tuple(cfg.activation_checkpoint.recompute_modules) if regime == "selective" else (),
-                     compiled=cfg.compile.enable and "model" in cfg.compile.components)
+                     compiled=cfg.compile.enable and "model" in cfg.compile.components,
+                     document_masking=cfg.data.document_masking or layout.cp > 1)
     compiled_loss = cfg.compile.enable and "loss" in cfg.compile.components
     try:
         micro = tr.accumulation_steps(layout.dp) if scope == "train" else 1

@@ -26,6 +26,7 @@ class GpuSpec:
     gemm_fp32: float  # measured FP32 (SIMT) GEMM: the indexer scores and KL target run in FP32
     attention_masked: float  # measured dense masked attention (cuDNN, boolean mask), FLOP/s over all T x T pairs
     attention_sparse: float  # measured: the sparse absorbed-MLA Triton kernels, FLOP/s over the T x K gathered pairs
+    attention_causal: float  # measured causal SDPA (flash, no mask), FLOP/s over the causal pairs
     kda_fwd_bwd_s_per_token_head: float  # measured FLA chunk_kda forward + backward
     kda_fwd_s_per_token_head: float  # measured FLA chunk_kda forward alone
     fused_ce_s_per_token: float  # measured fused LM-head CE forward + backward, D=4096, vocab=154880
@@ -55,7 +56,8 @@ class GpuSpec:
             f"measured: BF16 GEMM {self.gemm_bf16 / 1e12:.0f} TFLOP/s, MoE grouped GEMM "
             f"{self.gemm_grouped_bf16 / 1e12:.0f} TFLOP/s, FP8 speed-up x{self.fp8_speedup_tensorwise} tensorwise / "
             f"x{self.fp8_speedup_rowwise} rowwise, FP32 GEMM {self.gemm_fp32 / 1e12:.0f} TFLOP/s, masked attention "
-            f"{self.attention_masked / 1e12:.0f} TFLOP/s (all T x T pairs), sparse DSA attention "
+            f"{self.attention_masked / 1e12:.0f} TFLOP/s (all T x T pairs), causal attention "
+            f"{self.attention_causal / 1e12:.0f} TFLOP/s (causal pairs), sparse DSA attention "
             f"{self.attention_sparse / 1e12:.0f} TFLOP/s (T x K gathered pairs), FLA KDA "
             f"{self.kda_fwd_bwd_s_per_token_head * 1e9:.1f} ns per token-head fwd+bwd, fused CE "
             f"{self.fused_ce_s_per_token * 1e6:.2f} us per token, HBM {self.hbm_bandwidth / 1e12:.1f} TB/s; "
@@ -91,6 +93,9 @@ H200 = GpuSpec(
     # 32,768 (161 TFLOP/s). The end-to-end rows in tests/unit/planner_measured_h200.json ran the earlier kernel, and
     # at 161 the 128K eager row would plan 17% fast, so the rate stays at 115 until those rows are measured again.
     attention_sparse=115e12,
+    # scripts/bench_dsa.py at T = 32,768 (docs/performance.md, ninth session): causal SDPA over one proxy DSA layer
+    # fwd+bwd, 3.5 x 2 x (T^2 / 2) x 64 heads x 512 FLOP = 123.1 TFLOP in 269.3 ms
+    attention_causal=457e12,
     kda_fwd_bwd_s_per_token_head=21.8e-3 / (32768 * 32),
     kda_fwd_s_per_token_head=4.34e-3 / (32768 * 32),
     fused_ce_s_per_token=39.2e-3 / 4096,

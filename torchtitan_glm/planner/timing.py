@@ -129,10 +129,12 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
     pools = seq // kp
     if not args.dense_dsa_kernel(seq):  # absorbed MLA over K gathered latents: QK and PV both kv_lora_rank wide
         attn_fwd_s = len(dsa) * 2.0 * tokens * big_k * h / tp * 2 * kvl / gpu.attention_sparse
-    else:  # masked SDPA (dense warm-up, or rows <= dsa_dense_max_len): every key up to each query chunk's last
-        # rows with document ids (train.py's loader gives them), so no row is plain causal (dsa_mask_causal_rows)
-        keys, _ = masked_keys_per_query(seq, args.dsa_mask_query_chunk if ctx.cp == 1 else 0)
-        attn_fwd_s = len(dsa) * 2.0 * tokens * keys * h / tp * (dqk + dv) / gpu.attention_masked
+    else:  # masked SDPA (dense warm-up, or rows <= dsa_dense_max_len): every key up to each query chunk's last;
+        # one-document rows (data.document_masking false) run their leading causal rows with no mask
+        keys, causal = masked_keys_per_query(seq, args.dsa_mask_query_chunk if ctx.cp == 1 else 0,
+                                             ctx.causal_dsa_rows)
+        attn_fwd_s = len(dsa) * 2.0 * tokens * h / tp * (dqk + dv) * (keys / gpu.attention_masked
+                                                                        + causal / gpu.attention_causal)
     out["dsa_attention"] = attn_fwd_s * (3.5 + recompute_fwd)  # forward + backward (2.5x the forward)
     # the indexer's tiled FP32 ops (causal: on average half the pools / keys of the row), recomputed under full AC
     topk = 2.0 * tokens * ih * (idim + 1) * pools / 2 if args.dsa_attention == "sparse" else 0.0

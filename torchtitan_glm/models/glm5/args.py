@@ -125,6 +125,19 @@ class Glm5ModelArgs:
         a sparse-stage row no longer than dsa_dense_max_len)."""
         return self.dsa_attention == "dense" or seq_len <= self.dsa_dense_max_len
 
+    def causal_dsa_rows(self, seq_len: int) -> int:
+        """Of a one-document row of `seq_len` tokens on the dense kernel (no doc_ids, no context parallelism), the
+        leading rows that run SDPA's causal kernel with no mask: all of them in the dense stage; in the sparse stage
+        those whose selection still holds every past token (query t has t + 1, and the K = index_topk + kpool - 1
+        slots take every complete pool, then the incomplete tail; without the tail the query's own incomplete pool
+        is left out, so none is plain causal)."""
+        if not self.dsa_mask_causal_rows:
+            return 0
+        if self.dsa_attention == "dense":
+            return seq_len
+        tail = self.index_kpool_always_select_tail or self.index_kpool == 1
+        return min(self.index_topk + self.index_kpool - 1, seq_len) if tail else 0
+
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
         if self.layer_types is None:

@@ -314,12 +314,7 @@ class SparseMLA(nn.Module):
         self.dense = args.dsa_attention == "dense"
         self.dense_dsa_kernel = args.dense_dsa_kernel
         self.mask_query_chunk = args.dsa_mask_query_chunk
-        self.mask_causal_rows = args.dsa_mask_causal_rows
-        # one document: query t has t + 1 past tokens, and while they fit the selection's K = index_topk + kpool - 1
-        # slots it selects them all (every complete pool, then the incomplete tail; index_topk is a multiple of
-        # kpool). Without the tail the query's own incomplete pool is left out, so no row is plain causal.
-        self.full_selection_rows = (args.index_topk + args.index_kpool - 1
-                                    if args.index_kpool_always_select_tail or args.index_kpool == 1 else 0)
+        self.causal_rows = args.causal_dsa_rows  # the leading rows of a one-document row that need no mask
         self.init_std = args.initializer_range
         bias = args.attention_bias
         self.q_a_proj = nn.Linear(d, args.q_lora_rank, bias=bias)
@@ -400,16 +395,14 @@ class SparseMLA(nn.Module):
         if dense_kernel:
             kv = self.kv_b_proj(latent_all).unflatten(-1, (-1, self.qk_dim + self.v_dim)).transpose(1, 2)
             k, v = kv.split([self.qk_dim, self.v_dim], dim=-1)
-            # rows whose mask is plain causal: every row of a one-document dense stage; in the sparse stage the
-            # queries whose selection still holds every past token
-            one_doc = self.mask_causal_rows and batch.doc_ids is None and cp is None
-            if self.dense and one_doc:  # plain causal: no mask at all
-                causal_rows, mask = x.shape[1], None
+            # one document per row and no context parallelism: the leading rows whose mask is plain causal run
+            # without it (every row in the dense stage, which then forms no mask)
+            causal_rows = self.causal_rows(x.shape[1]) if batch.doc_ids is None and cp is None else 0
+            if self.dense and causal_rows == x.shape[1]:
+                mask = None
             elif self.dense:
-                causal_rows = 0
                 mask = causal_doc_mask(doc) if cp is None else _cp_causal_doc_mask(doc, full_doc, cp.positions)
             else:  # the selected set as a mask: the same function as the sparse kernel, at dense cost
-                causal_rows = self.full_selection_rows if one_doc else 0
                 mask = selection_mask(indices, full_doc.pos.shape[1])
             # a context-parallel rank's queries are not the row's first ones: one call
             chunk = self.mask_query_chunk if cp is None else 0
