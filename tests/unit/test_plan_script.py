@@ -373,3 +373,29 @@ def test_document_masking_false_plans_one_causal_sequence_per_row():
     cp = ["--parallelism.context_parallel_degree", "2", "--gpus", "2", "--parallelism.data_parallel_shard_degree", "1"]
     with_ids, without = plan(*cp), plan(*cp, "--data.document_masking", "false")
     assert (with_ids["time"], with_ids["memory"]) == (without["time"], without["memory"])
+
+
+def test_fp8_time_adds_per_gemm_and_its_bound_is_the_bf16_plans():
+    """With FP8 the dense projections Float8Linear converts run at the measured speed-up and the rest at the BF16
+    rate, so their times add (the BF16 plan's dense time = the kept part + the converted part x the speed-up; a
+    blended rate would plan FP8 faster), and the routed experts at the rowwise speed-up. The FP8 line's speed-up is
+    the BF16 plan's step over this one, and its bounds hold the rest of the step fixed."""
+    from torchtitan_glm.planner.hardware import H200
+
+    base = ["--config", "train_configs/glm5_3_flash_proxy.toml", "--gpus", "1", "--json", "--scope", "bench_train"]
+    bf16 = json.loads(run(base))["time"]
+    fp8 = json.loads(run([*base, "--float8.enable", "true"]))["time"]
+    assert bf16["fp8"] is None and bf16["compute_s"]["dense_gemm_fp8"] == 0
+    c, b = fp8["compute_s"], bf16["compute_s"]
+    assert 0 < c["dense_gemm_fp8"] and 0 < c["dense_gemm"] < b["dense_gemm"]
+    assert c["dense_gemm"] + c["dense_gemm_fp8"] * H200.fp8_speedup_tensorwise == pytest.approx(b["dense_gemm"],
+                                                                                                rel=1e-3)
+    assert c["expert_gemm"] * H200.fp8_speedup_rowwise == pytest.approx(b["expert_gemm"], rel=1e-3)
+    bound = fp8["fp8"]
+    assert bound["speedup"] == pytest.approx(bf16["step_s"] / fp8["step_s"], rel=1e-3)
+    converted_bf16 = b["dense_gemm"] - c["dense_gemm"] + b["expert_gemm"]
+    assert bound["converted_bf16_s"] == pytest.approx(converted_bf16, rel=1e-3)
+    rest = bf16["step_s"] - converted_bf16
+    assert bound["speedup_at_2x"] == pytest.approx(bf16["step_s"] / (rest + converted_bf16 / 2), rel=1e-3)
+    assert bound["speedup_if_free"] == pytest.approx(bf16["step_s"] / rest, rel=1e-3)
+    assert 1 < bound["speedup"] < bound["speedup_at_2x"] < bound["speedup_if_free"]

@@ -71,6 +71,9 @@ TIME_FIELDS = {
     "tokens_per_s_per_gpu": (float, "per GPU"), "flops_per_token": (float, "metrics.flops_per_token"),
     "mfu": ((float, type(None)), "model FLOPs utilisation of the dense BF16 peak"),
     "compute_s": (dict, "compute seconds by term"), "exposed_comm_s": (dict, "communication not hidden, by kind"),
+    "fp8": ((dict, type(None)), "with FP8: the converted GEMMs' seconds (converted_s, converted_bf16_s), their "
+                                "share_of_bf16_step, and the step's speed-up over BF16: speedup (planned), "
+                                "speedup_at_2x (those GEMMs at twice the BF16 rate), speedup_if_free"),
 }
 _DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 
@@ -158,6 +161,7 @@ class Plan:
                 "mfu": round(t.mfu, 4) if t.mfu is not None else None,
                 "compute_s": {k: round(v, 5) for k, v in t.compute_s.items()},
                 "exposed_comm_s": {k: round(v, 5) for k, v in t.exposed_comm_s.items()},
+                "fp8": {k: round(v, 5) for k, v in t.fp8.items()} if t.fp8 else None,
             },
             "collectives": [dataclasses.asdict(c) for c in t.collectives],
             "assumptions": assumptions(self.request.gpu),

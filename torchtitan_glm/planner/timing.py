@@ -82,6 +82,7 @@ class TimePlan:
     flops_per_token: float
     mfu: float | None
     micro: int = 1  # microbatches per step (training.global_batch_size); `collectives` are one microbatch's
+    fp8: dict[str, float] | None = None  # fp8_bound: what FP8 gives this step and can give at most
 
 
 def _layers(inv: ModelInventory, with_mtp: bool) -> list:
@@ -109,11 +110,12 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
     dense = fb.params - expert - 6.0 * vocab * d * heads
     dense *= inv.dense_tp_fraction / tp + (1 - inv.dense_tp_fraction)
     recompute_fwd = {"full": 1.0, "selective": 0.0}.get(regime, 0.0)
-    fp8 = {"tensorwise": gpu.fp8_speedup_tensorwise}.get(inv.fp8_recipe or "", gpu.fp8_speedup_rowwise)
-    dense_rate = gpu.gemm_bf16 * (1 + inv.dense_fp8_fraction * (fp8 - 1)) if inv.fp8_recipe else gpu.gemm_bf16
+    fp8, converted = dense_fp8(inv, gpu)
+    dense_s = dense * tokens * (1 + recompute_fwd / 3) / gpu.gemm_bf16  # all of it at the BF16 rate
     expert_rate = gpu.gemm_grouped_bf16 * (gpu.fp8_speedup_rowwise if inv.expert_fp8 else 1.0)
     out = {
-        "dense_gemm": dense * tokens * (1 + recompute_fwd / 3) / dense_rate,
+        "dense_gemm": dense_s * (1 - converted),
+        "dense_gemm_fp8": dense_s * converted / fp8,  # what Float8Linear converts (0 without FP8)
         # forward + backward (3 forwards' worth), one forward more under AC (selective recomputes the routed
         # experts too) and one more with moe_chunk_tokens (each chunk's backward re-runs it)
         "expert_gemm": expert * tokens * (1 + ((regime in ("full", "selective")) + (ctx.expert_share < 1)) / 3)
@@ -147,7 +149,8 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
     out["indexer_fp32"] = n_idx * (topk + kl) * (1 + recompute_fwd) / gpu.gemm_fp32
     if regime == "selective" and ctx.recompute:
         out["recompute_modules"] = _recompute_seconds(
-            args, ctx, gpu, layers=layers, dense_rate=dense_rate, attn=attn_fwd_s,
+            args, ctx, gpu, layers=layers, dense_s_per_flop=(1 - converted + converted / fp8) / gpu.gemm_bf16,
+            attn=attn_fwd_s,
             indexer=(topk + kl) * n_idx / gpu.gemm_fp32)
     # an eager run under AC (ctx.compiled false) pays eager's elementwise launches, in the forward and the recompute
     rate = regime if ctx.compiled or regime in ("compiled", "eager") else f"eager_{regime}"
@@ -160,10 +163,10 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
     return out
 
 
-def _recompute_seconds(args, ctx: ActContext, gpu: GpuSpec, *, layers: list, dense_rate: float, attn: float,
+def _recompute_seconds(args, ctx: ActContext, gpu: GpuSpec, *, layers: list, dense_s_per_flop: float, attn: float,
                        indexer: float) -> float:
     """Seconds the forward of the recompute_modules parts takes again in the backward (one microbatch): their GEMMs
-    at the dense rate, the KDA kernel's forward, the attention's forward (`attn`) and the indexer's tiled ops
+    at the dense projections' mean time per FLOP, the KDA kernel's forward, the attention's forward (`attn`) and the indexer's tiled ops
     (`indexer`, the whole op: its KL forms its gradients in the forward)."""
     tokens, tp = ctx.tokens, ctx.tp
     d, n = args.hidden_size, args.hc_mult
@@ -197,7 +200,34 @@ def _recompute_seconds(args, ctx: ActContext, gpu: GpuSpec, *, layers: list, den
         gemm += n_dense * 2 * 3 * d * args.intermediate_size / tp
     if ctx.recomputes("mhc"):  # the maps' FP32 projection, two sites per layer
         seconds += len(kinds) * 2 * 2 * n * d * (2 + n) * n * tokens / gpu.gemm_fp32
-    return seconds + gemm * tokens / dense_rate
+    return seconds + gemm * tokens * dense_s_per_flop
+
+
+def dense_fp8(inv: ModelInventory, gpu: GpuSpec) -> tuple[float, float]:
+    """(speed-up, share): the measured FP8 speed-up of the dense projections Float8Linear converts, and their share
+    of the dense projections' FLOPs (0 without FP8). Times add, so the mean time per FLOP is harmonic:
+    (1 - share + share / speed-up) / the BF16 rate."""
+    if not inv.fp8_recipe:
+        return 1.0, 0.0
+    speedup = gpu.fp8_speedup_tensorwise if inv.fp8_recipe == "tensorwise" else gpu.fp8_speedup_rowwise
+    return speedup, inv.dense_fp8_fraction
+
+
+def fp8_bound(plan: TimePlan, inv: ModelInventory, gpu: GpuSpec) -> dict[str, float] | None:
+    """What FP8 can give this step (None without FP8): the converted GEMMs' seconds at the measured FP8 rates and
+    at BF16, and the step's speed-up over BF16 as planned, were those GEMMs at twice the BF16 rate (FP8's peak over
+    BF16's on Hopper), and were they free. Everything else in the step stays as planned (an Amdahl bound)."""
+    if not inv.fp8_recipe and not inv.expert_fp8:
+        return None
+    fp8, _ = dense_fp8(inv, gpu)
+    c = plan.compute_s
+    fp8_s = c["dense_gemm_fp8"] + (c["expert_gemm"] if inv.expert_fp8 else 0.0)
+    bf16_s = c["dense_gemm_fp8"] * fp8 + (c["expert_gemm"] * gpu.fp8_speedup_rowwise if inv.expert_fp8 else 0.0)
+    rest = plan.step_s - fp8_s
+    bf16_step = rest + bf16_s
+    return {"converted_s": fp8_s, "converted_bf16_s": bf16_s, "share_of_bf16_step": bf16_s / bf16_step,
+            "speedup": bf16_step / plan.step_s, "speedup_at_2x": bf16_step / (rest + bf16_s / 2),
+            "speedup_if_free": bf16_step / rest}
 
 
 def plan_time(inv: ModelInventory, layout: Layout, gpu: GpuSpec, ctx: ActContext, *, regime: str, with_mtp: bool,
@@ -228,4 +258,6 @@ def plan_time(inv: ModelInventory, layout: Layout, gpu: GpuSpec, ctx: ActContext
     fpt = flops_per_token(inv.args if with_mtp else inv.args.replace(num_nextn_predict_layers=0), seq_len)
     mfu = per_gpu * fpt / gpu.peak_bf16
     colls = [c for cs in fsdp.values() for c in cs] + others
-    return TimePlan(step, compute, exposed, colls, tokens, tps, per_gpu, fpt, mfu, micro)
+    plan = TimePlan(step, compute, exposed, colls, tokens, tps, per_gpu, fpt, mfu, micro)
+    plan.fp8 = fp8_bound(plan, inv, gpu)
+    return plan
