@@ -12,8 +12,9 @@ it is planned all the same and marked, e.g. ep not a multiple of cp); `--paralle
 every rank's experts kept whole (the trainer's key, default true: rows sharded over the ranks holding them). --search
 plans every layout of N GPUs the cost model describes, context parallelism included (with each --ac mode and
 --local-batch) and ranks those that fit within 90% of the card by tokens/s. --scope bench_train / bench_reference
-plans scripts/benchmark.py's training / reference scope on one device. Every assumption is printed with the plan
-(torchtitan_glm/planner/ says how each number is made).
+plans scripts/benchmark.py's training / reference scope on one device (the benchmark's default, one document per row
+and no ids, is `--data.document_masking false`; its packed rows, `--docs N`, the default true). Every assumption is
+printed with the plan (torchtitan_glm/planner/ says how each number is made).
 """
 
 from __future__ import annotations

@@ -367,7 +367,8 @@ def test_document_masking_false_plans_one_causal_sequence_per_row():
         packed, one = plan(*stage), plan(*stage, "--data.document_masking", "false")
         ratio = one["time"]["compute_s"]["dsa_attention"] / packed["time"]["compute_s"]["dsa_attention"]
         assert ratio == pytest.approx(attention_s(rows) / attention_s(0), rel=1e-3), stage
-        kept = packed["memory"]["activation_terms_gib"]["attention"] - one["memory"]["activation_terms_gib"]["attention"]
+        terms = packed["memory"]["activation_terms_gib"], one["memory"]["activation_terms_gib"]
+        kept = terms[0]["attention"] - terms[1]["attention"]
         mask = 3 * seq * seq / 2**30 if stage else 0.0  # the sparse stage still forms the selection's mask
         assert kept == pytest.approx(mask, abs=2e-3), stage
     cp = ["--parallelism.context_parallel_degree", "2", "--gpus", "2", "--parallelism.data_parallel_shard_degree", "1"]

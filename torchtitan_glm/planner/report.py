@@ -5,7 +5,8 @@ from __future__ import annotations
 from .core import MEMORY_BUDGET, SEARCH_SCHEMA, Plan, assumptions
 from .hardware import GIB
 
-_LABELS = {"dense_gemm": "dense GEMMs", "dense_gemm_fp8": "dense GEMMs in FP8", "expert_gemm": "expert GEMMs", "lm_head_ce": "LM head + CE", "kda": "KDA",
+_LABELS = {"dense_gemm": "dense GEMMs", "dense_gemm_fp8": "dense GEMMs in FP8", "expert_gemm": "expert GEMMs",
+           "lm_head_ce": "LM head + CE", "kda": "KDA",
            "dsa_attention": "DSA attention", "indexer_fp32": "indexer", "kl_target_fp32": "KL target",
            "elementwise": "elementwise", "optimizer": "optimizer + clip", "fsdp_copies": "FSDP2 copies"}
 
@@ -71,10 +72,10 @@ def plan_text(p: Plan) -> str:
     ]
     if t.fp8:
         f = t.fp8
-        lines.append(f"  FP8: the converted GEMMs take {f['converted_s']:.3f} s ({f['converted_bf16_s']:.3f} s in BF16, "
-                     f"{f['share_of_bf16_step']:.0%} of the BF16 step): {f['speedup']:.3f}x over BF16 as planned, at "
-                     f"most {f['speedup_at_2x']:.3f}x at twice the BF16 rate, {f['speedup_if_free']:.3f}x were they "
-                     "free")
+        lines.append(f"  FP8: the converted GEMMs take {f['converted_s']:.3f} s ({f['converted_bf16_s']:.3f} s in "
+                     f"BF16, {f['share_of_bf16_step']:.0%} of the BF16 step): {f['speedup']:.3f}x over BF16 as "
+                     f"planned, at most {f['speedup_at_2x']:.3f}x at twice the BF16 rate, {f['speedup_if_free']:.3f}x "
+                     "were they free")
     if t.collectives:
         per = "per microbatch" if t.micro > 1 else "per step"
         lines.append(f"  collectives {per}, per rank (all units): name | group | calls | GB sent | link | seconds "

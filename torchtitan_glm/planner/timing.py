@@ -166,8 +166,8 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
 def _recompute_seconds(args, ctx: ActContext, gpu: GpuSpec, *, layers: list, dense_s_per_flop: float, attn: float,
                        indexer: float) -> float:
     """Seconds the forward of the recompute_modules parts takes again in the backward (one microbatch): their GEMMs
-    at the dense projections' mean time per FLOP, the KDA kernel's forward, the attention's forward (`attn`) and the indexer's tiled ops
-    (`indexer`, the whole op: its KL forms its gradients in the forward)."""
+    at the dense projections' mean time per FLOP, the KDA kernel's forward, the attention's forward (`attn`) and the
+    indexer's tiled ops (`indexer`, the whole op: its KL forms its gradients in the forward)."""
     tokens, tp = ctx.tokens, ctx.tp
     d, n = args.hidden_size, args.hc_mult
     kinds = [u.kind for u in layers]
