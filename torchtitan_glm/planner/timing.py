@@ -217,7 +217,7 @@ def fp8_bound(plan: TimePlan, inv: ModelInventory, gpu: GpuSpec) -> dict[str, fl
     """What FP8 can give this step (None without FP8): the converted GEMMs' seconds at the measured FP8 rates and
     at BF16, and the step's speed-up over BF16 as planned, were those GEMMs at twice the BF16 rate (FP8's peak over
     BF16's on Hopper), and were they free. Everything else in the step stays as planned (an Amdahl bound)."""
-    if not inv.fp8_recipe and not inv.expert_fp8:
+    if not inv.fp8_recipe:  # model.inventory: None when nothing is converted
         return None
     fp8, _ = dense_fp8(inv, gpu)
     c = plan.compute_s
