@@ -400,3 +400,23 @@ def test_fp8_time_adds_per_gemm_and_its_bound_is_the_bf16_plans():
     assert bound["speedup_at_2x"] == pytest.approx(bf16["step_s"] / (rest + converted_bf16 / 2), rel=1e-3)
     assert bound["speedup_if_free"] == pytest.approx(bf16["step_s"] / rest, rel=1e-3)
     assert 1 < bound["speedup"] < bound["speedup_at_2x"] < bound["speedup_if_free"]
+
+
+@pytest.mark.parametrize("argv", [
+    # recomputed projections: KDA's stay BF16 under the serving split, the MLPs' and shared experts' are converted
+    ["--config", "train_configs/glm5_3_flash_proxy.toml", "--gpus", "1", "--activation_checkpoint.mode", "selective",
+     "--activation_checkpoint.recompute_modules", "kda,mlp,moe"],
+    # 64 GPUs: less compute under FP8 leaves more of FSDP2's collectives exposed
+    ["--config", "train_configs/glm5_3_flash.toml", "--gpus", "64"],
+])
+def test_fp8_speedup_is_the_ratio_of_the_two_plans(argv):
+    """The FP8 line's planned speed-up is the BF16 plan's step over the FP8 plan's, wherever FP8 changes more than
+    the converted GEMMs' own terms: recompute_modules (only converted roles get faster) and exposed communication."""
+    bf16 = json.loads(run([*argv, "--json", "--float8.enable", "false"]))["time"]
+    fp8 = json.loads(run([*argv, "--json", "--float8.enable", "true"]))["time"]
+    assert fp8["fp8"]["speedup"] == pytest.approx(bf16["step_s"] / fp8["step_s"], rel=1e-4)
+    if "--activation_checkpoint.recompute_modules" in argv:
+        kept = json.loads(run([*argv[:-1], "kda", "--json", "--float8.enable", "true"]))["time"]["compute_s"]
+        bf16_kept = json.loads(run([*argv[:-1], "kda", "--json", "--float8.enable", "false"]))["time"]["compute_s"]
+        assert kept["recompute_modules"] == pytest.approx(bf16_kept["recompute_modules"], rel=1e-6)
+        assert kept.get("recompute_modules_fp8", 0) == 0 < fp8["compute_s"]["recompute_modules_fp8"]

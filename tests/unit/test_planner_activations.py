@@ -60,11 +60,11 @@ class _Capture(nn.Module):
             return self.inner(*args, **kwargs)
 
 
-def captured_model(mode: str, ac: str, recompute: tuple[str, ...] = (), **overrides
+def captured_model(mode: str, ac: str, recompute: tuple[str, ...] = ()
                    ) -> tuple[Glm5Model, dict[str, dict[int, int]], torch.Tensor, torch.Tensor]:
-    """The small model (BF16 weights, WIDTHS and `overrides`) with each block of KINDS wrapped for `ac`, compiled if
-    `mode` says so, and captured; its sinks (storage -> bytes per block) and one row of tokens and labels."""
-    args = get_flavor("debug").replace(**WIDTHS, **overrides)
+    """The small model (BF16 weights) with each block of KINDS wrapped for `ac`, compiled if `mode` says so, and
+    captured; its sinks (storage -> bytes per block) and one row of tokens and labels (one document)."""
+    args = get_flavor("debug").replace(**WIDTHS)
     torch.manual_seed(0)
     model = Glm5Model(args).to(torch.bfloat16)
     ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -87,11 +87,11 @@ def captured_model(mode: str, ac: str, recompute: tuple[str, ...] = (), **overri
 
 
 def measured_saved(mode: str, ac: str, *, sparse_kl: bool = False, recompute: tuple[str, ...] = (),
-                   document_masking: bool = True, **overrides) -> dict[str, int]:
+                   document_masking: bool = True) -> dict[str, int]:
     """Bytes each captured block keeps, for one training step of the small model: one document with its ids, as
     train.py's loader passes them, or (document_masking false) no ids, one causal sequence."""
     torch._dynamo.reset()  # every call compiles the same wrapper code again: no recompile limit across calls
-    model, sinks, tokens, labels = captured_model(mode, ac, recompute, **overrides)
+    model, sinks, tokens, labels = captured_model(mode, ac, recompute)
     doc_ids = torch.zeros_like(tokens) if document_masking else None
     out = model(tokens, labels, doc_ids=doc_ids, token_scale=1.0 / SEQ, mtp_scale=0.1 / SEQ,
                 indexer_kl="sparse" if sparse_kl else "dense")
@@ -99,9 +99,9 @@ def measured_saved(mode: str, ac: str, *, sparse_kl: bool = False, recompute: tu
     return {name: sum(s.values()) for name, s in sinks.items()}
 
 
-def planned_saved(regime: str, recompute: tuple[str, ...] = (), *, document_masking: bool = True,
-                  **overrides) -> dict[str, float]:
-    args = get_flavor("debug").replace(**WIDTHS, **overrides)
+def planned_saved(regime: str, recompute: tuple[str, ...] = (), *, document_masking: bool = True
+                  ) -> dict[str, float]:
+    args = get_flavor("debug").replace(**WIDTHS)
     ctx = ActContext(args=args, batch=1, seq=SEQ, keys=SEQ, act=2, device="cpu", fp32_params=False,
                      recompute=recompute, document_masking=document_masking)
     return {name: sum(saved(kind, regime, ctx).values()) for name, kind in KINDS.items()}

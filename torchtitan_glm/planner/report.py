@@ -8,7 +8,8 @@ from .hardware import GIB
 _LABELS = {"dense_gemm": "dense GEMMs", "dense_gemm_fp8": "dense GEMMs in FP8", "expert_gemm": "expert GEMMs",
            "lm_head_ce": "LM head + CE", "kda": "KDA",
            "dsa_attention": "DSA attention", "indexer_fp32": "indexer", "kl_target_fp32": "KL target",
-           "elementwise": "elementwise", "optimizer": "optimizer + clip", "fsdp_copies": "FSDP2 copies"}
+           "elementwise": "elementwise", "optimizer": "optimizer + clip", "fsdp_copies": "FSDP2 copies",
+           "recompute_modules_fp8": "recompute_modules in FP8"}
 
 
 def _gib(x: float) -> str:

@@ -23,6 +23,7 @@ parallel collectives and the replicated-gradient all-reduce are on the critical 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torchtitan_glm.components.metrics import flops_breakdown, flops_per_token
@@ -148,9 +149,8 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
             kl = 6.0 * tokens * ih * idim * pools / 2 + 2.0 * tokens * seq / 2 * h * kvl
     out["indexer_fp32"] = n_idx * (topk + kl) * (1 + recompute_fwd) / gpu.gemm_fp32
     if regime == "selective" and ctx.recompute:
-        out["recompute_modules"] = _recompute_seconds(
-            args, ctx, gpu, layers=layers, dense_s_per_flop=(1 - converted + converted / fp8) / gpu.gemm_bf16,
-            attn=attn_fwd_s,
+        out["recompute_modules"], out["recompute_modules_fp8"] = _recompute_seconds(
+            args, ctx, gpu, layers=layers, fp8_roles=inv.fp8_roles, fp8=fp8, attn=attn_fwd_s,
             indexer=(topk + kl) * n_idx / gpu.gemm_fp32)
     # an eager run under AC (ctx.compiled false) pays eager's elementwise launches, in the forward and the recompute
     rate = regime if ctx.compiled or regime in ("compiled", "eager") else f"eager_{regime}"
@@ -163,11 +163,12 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
     return out
 
 
-def _recompute_seconds(args, ctx: ActContext, gpu: GpuSpec, *, layers: list, dense_s_per_flop: float, attn: float,
-                       indexer: float) -> float:
-    """Seconds the forward of the recompute_modules parts takes again in the backward (one microbatch): their GEMMs
-    at the dense projections' mean time per FLOP, the KDA kernel's forward, the attention's forward (`attn`) and the
-    indexer's tiled ops (`indexer`, the whole op: its KL forms its gradients in the forward)."""
+def _recompute_seconds(args, ctx: ActContext, gpu: GpuSpec, *, layers: list, fp8_roles: frozenset[str], fp8: float,
+                       attn: float, indexer: float) -> tuple[float, float]:
+    """Seconds the forward of the recompute_modules parts takes again in the backward (one microbatch), as (the
+    rest, the GEMMs of roles Float8Linear converts at the FP8 speed-up `fp8`): the other GEMMs at the BF16 rate, the
+    KDA kernel's forward, the attention's forward (`attn`) and the indexer's tiled ops (`indexer`, the whole op: its
+    KL forms its gradients in the forward)."""
     tokens, tp = ctx.tokens, ctx.tp
     d, n = args.hidden_size, args.hc_mult
     kinds = [u.kind for u in layers]
@@ -175,32 +176,38 @@ def _recompute_seconds(args, ctx: ActContext, gpu: GpuSpec, *, layers: list, den
     n_dsa = sum("dsa" in k or k == "mtp" for k in kinds)
     n_moe = sum(k.endswith("moe") or k == "mtp" for k in kinds)
     n_dense = sum(k.endswith("dense") for k in kinds)
-    gemm = 0.0  # forward FLOPs of the recomputed projections
+    gemm: dict[str, float] = {}  # forward FLOPs of the recomputed projections, by Linear role
     seconds = 0.0
+
+    def add(role: str, flops: float) -> None:
+        gemm[role] = gemm.get(role, 0.0) + flops
     if ctx.recomputes("kda"):
         h, k = args.linear_num_heads, args.linear_head_dim
         hk = h * k
-        gemm += n_kda * 2 * (4 * d * hk / tp + 2 * k * hk / tp + 2 * d * k + d * h / tp)
+        add("kda", n_kda * 2 * (4 * d * hk / tp + 2 * k * hk / tp + 2 * d * k + d * h / tp))
         seconds += n_kda * tokens * h / tp * gpu.kda_fwd_s_per_token_head
     if ctx.recomputes("mla_up_proj"):
         h = args.num_attention_heads
         up = args.q_lora_rank * h * args.qk_head_dim
         if args.dense_dsa_kernel(ctx.keys):
             up += args.kv_lora_rank * h * (args.qk_head_dim + args.v_head_dim)
-        gemm += n_dsa * 2 * up / tp
+        add("mla", n_dsa * 2 * up / tp)
     if ctx.recomputes("sparse_attn"):
         seconds += attn
     if ctx.recomputes("indexer"):
         ih, idim = args.index_n_heads, args.index_head_dim
-        gemm += n_dsa * 2 * (args.q_lora_rank * ih * idim + d * idim + d * ih)
+        add("indexer", n_dsa * 2 * (args.q_lora_rank * ih * idim + d * idim + d * ih))
         seconds += indexer
     if ctx.recomputes("moe"):
-        gemm += n_moe * 2 * (3 * d * args.moe_intermediate_size * args.n_shared_experts / tp + d * args.n_routed_experts)
+        add("shared_expert", n_moe * 2 * 3 * d * args.moe_intermediate_size * args.n_shared_experts / tp)
+        add("router", n_moe * 2 * d * args.n_routed_experts)  # never converted
     if ctx.recomputes("mlp"):
-        gemm += n_dense * 2 * 3 * d * args.intermediate_size / tp
+        add("mlp", n_dense * 2 * 3 * d * args.intermediate_size / tp)
     if ctx.recomputes("mhc"):  # the maps' FP32 projection, two sites per layer
         seconds += len(kinds) * 2 * 2 * n * d * (2 + n) * n * tokens / gpu.gemm_fp32
-    return seconds + gemm * tokens * dense_s_per_flop
+    kept = sum(f for role, f in gemm.items() if role not in fp8_roles)
+    converted = sum(f for role, f in gemm.items() if role in fp8_roles)
+    return seconds + kept * tokens / gpu.gemm_bf16, converted * tokens / (gpu.gemm_bf16 * fp8)
 
 
 def dense_fp8(inv: ModelInventory, gpu: GpuSpec) -> tuple[float, float]:
@@ -213,44 +220,52 @@ def dense_fp8(inv: ModelInventory, gpu: GpuSpec) -> tuple[float, float]:
     return speedup, inv.dense_fp8_fraction
 
 
-def fp8_bound(plan: TimePlan, inv: ModelInventory, gpu: GpuSpec) -> dict[str, float] | None:
-    """What FP8 can give this step (None without FP8): the converted GEMMs' seconds at the measured FP8 rates and
-    at BF16, and the step's speed-up over BF16 as planned, were those GEMMs at twice the BF16 rate (FP8's peak over
-    BF16's on Hopper), and were they free. Everything else in the step stays as planned (an Amdahl bound)."""
+def fp8_bound(compute: dict[str, float], inv: ModelInventory, gpu: GpuSpec,
+              step_of: Callable[[float], float]) -> dict[str, float] | None:
+    """What FP8 can give this step (None without FP8): the converted GEMMs' seconds (`compute`'s FP8 terms) and
+    their seconds in BF16, and the step's speed-up over BF16 as planned, were those GEMMs at twice the BF16 rate (FP8's
+    peak over BF16's on Hopper), and were they free. `step_of(total compute)` is the step with the communication
+    that compute leaves exposed; the rest of the compute stays as planned (an Amdahl bound)."""
     if not inv.fp8_recipe:  # model.inventory: None when nothing is converted
         return None
     fp8, _ = dense_fp8(inv, gpu)
-    c = plan.compute_s
-    fp8_s = c["dense_gemm_fp8"] + (c["expert_gemm"] if inv.expert_fp8 else 0.0)
-    bf16_s = c["dense_gemm_fp8"] * fp8 + (c["expert_gemm"] * gpu.fp8_speedup_rowwise if inv.expert_fp8 else 0.0)
-    rest = plan.step_s - fp8_s
-    bf16_step = rest + bf16_s
+    dense = compute["dense_gemm_fp8"] + compute.get("recompute_modules_fp8", 0.0)
+    experts = compute["expert_gemm"] if inv.expert_fp8 else 0.0
+    fp8_s = dense + experts
+    bf16_s = dense * fp8 + experts * gpu.fp8_speedup_rowwise
+    rest = sum(compute.values()) - fp8_s
+    bf16_step = step_of(rest + bf16_s)
     return {"converted_s": fp8_s, "converted_bf16_s": bf16_s, "share_of_bf16_step": bf16_s / bf16_step,
-            "speedup": bf16_step / plan.step_s, "speedup_at_2x": bf16_step / (rest + bf16_s / 2),
-            "speedup_if_free": bf16_step / rest}
+            "speedup": bf16_step / step_of(rest + fp8_s), "speedup_at_2x": bf16_step / step_of(rest + bf16_s / 2),
+            "speedup_if_free": bf16_step / step_of(rest)}
 
 
 def plan_time(inv: ModelInventory, layout: Layout, gpu: GpuSpec, ctx: ActContext, *, regime: str, with_mtp: bool,
               param_bytes: int, reduce_bytes: int, seq_len: int, local_batch: int, train: bool = True,
               micro: int = 1) -> TimePlan:
     compute = compute_terms(inv, gpu, ctx, regime=regime, with_mtp=with_mtp, layout=layout, train=train, micro=micro)
-    total_compute = sum(compute.values())
     fsdp = fsdp_collectives(inv, layout, gpu, param_bytes=param_bytes, reduce_bytes=reduce_bytes, with_mtp=with_mtp)
     others = other_collectives(inv, layout, gpu, ctx, regime=regime, with_mtp=with_mtp)
-    # FSDP: each unit's collectives overlap the compute of one unit (its neighbour); compute is spread over units in
-    # proportion to their parameters' FLOPs, approximated here by an even split over the compute-bearing units.
     units = [u for u in inv.units if u.name in fsdp]
-    per_unit = total_compute / max(1, len(units))
-    exposed_fsdp = sum(max(0.0, sum(c.seconds for c in fsdp[u.name] if c.overlapped) - per_unit) for u in units)
     first_gather = min((c.seconds for c in fsdp.get("embed_tokens", []) if "all-gather" in c.name), default=0.0)
-    exposed = {"fsdp": exposed_fsdp + first_gather}
-    # the experts' own gathers and reduce-scatters (expert_fsdp) run inside their op: all exposed
-    for c in [c for cs in fsdp.values() for c in cs if not c.overlapped] + others:
-        exposed[c.name] = exposed.get(c.name, 0.0) + c.seconds
-    if ctx.offload_inputs:  # copies back on the compute stream, not prefetched: exposed (the copies out overlap)
-        moved = offloaded_inputs(inv.units, ctx, with_mtp=with_mtp)
-        exposed["offloaded block inputs, host to device"] = moved / gpu.host_link
-    exposed = {k: v * micro for k, v in exposed.items()}  # per microbatch (deferred reduces: one rank, none)
+    moved = offloaded_inputs(inv.units, ctx, with_mtp=with_mtp) if ctx.offload_inputs else 0.0
+
+    def exposed_by(total_compute: float) -> dict[str, float]:
+        """Communication not hidden behind `total_compute` seconds of compute, by kind."""
+        # FSDP: each unit's collectives overlap the compute of one unit (its neighbour); compute is spread over units
+        # in proportion to their parameters' FLOPs, approximated here by an even split over the compute-bearing units.
+        per_unit = total_compute / max(1, len(units))
+        exposed_fsdp = sum(max(0.0, sum(c.seconds for c in fsdp[u.name] if c.overlapped) - per_unit) for u in units)
+        exposed = {"fsdp": exposed_fsdp + first_gather}
+        # the experts' own gathers and reduce-scatters (expert_fsdp) run inside their op: all exposed
+        for c in [c for cs in fsdp.values() for c in cs if not c.overlapped] + others:
+            exposed[c.name] = exposed.get(c.name, 0.0) + c.seconds
+        if ctx.offload_inputs:  # copies back on the compute stream, not prefetched: exposed (the copies out overlap)
+            exposed["offloaded block inputs, host to device"] = moved / gpu.host_link
+        return {k: v * micro for k, v in exposed.items()}  # per microbatch (deferred reduces: one rank, none)
+
+    total_compute = sum(compute.values())
+    exposed = exposed_by(total_compute)
     step = total_compute + sum(exposed.values())
     tokens = layout.dp * local_batch * seq_len * micro
     tps = tokens / step
@@ -258,6 +273,5 @@ def plan_time(inv: ModelInventory, layout: Layout, gpu: GpuSpec, ctx: ActContext
     fpt = flops_per_token(inv.args if with_mtp else inv.args.replace(num_nextn_predict_layers=0), seq_len)
     mfu = per_gpu * fpt / gpu.peak_bf16
     colls = [c for cs in fsdp.values() for c in cs] + others
-    plan = TimePlan(step, compute, exposed, colls, tokens, tps, per_gpu, fpt, mfu, micro)
-    plan.fp8 = fp8_bound(plan, inv, gpu)
-    return plan
+    fp8 = fp8_bound(compute, inv, gpu, lambda total: total + sum(exposed_by(total).values()))
+    return TimePlan(step, compute, exposed, colls, tokens, tps, per_gpu, fpt, mfu, micro, fp8)
