@@ -68,7 +68,9 @@ def _fla_prefill(q, k, v, g, beta, seq_idx, safe_gate) -> tuple[Tensor, Tensor]:
     if cu_cpu is not None:  # one state per document run: keep the run ending each row
         ends = cu_cpu[1:]
         last = torch.searchsorted(ends, torch.arange(1, b + 1) * t)
-        state = state[last.to(state.device)]
+        # a pageable host-to-device copy without blocking (CUDA stages the source before returning); a blocking
+        # one would synchronise once per KDA layer (tests/gpu/test_host_syncs_cuda.py counts them)
+        state = state[last.to(state.device, non_blocking=True)]
     return o.reshape(b, t, h, -1).to(v.dtype), state.float()
 
 
