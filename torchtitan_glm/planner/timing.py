@@ -1,16 +1,18 @@
 """Step time of one rank: compute from measured kernel rates, plus the communication that compute does not hide.
 
 Compute terms (FLOPs from the trainer's own counts, times from measured rates, hardware.py):
-- GEMMs: dense projections at the BF16 GEMM rate (those Float8Linear converts x the measured FP8 speed-up), routed
-  experts at the measured grouped-GEMM rate (x the rowwise FP8 speed-up when FP8), the fused LM-head CE at its
-  measured time per row; full AC recomputes every forward GEMM, selective AC the grouped expert GEMMs (a custom op
-  its policy does not save).
+- GEMMs: dense projections at the BF16 GEMM rate, those Float8Linear converts as their own term at the measured
+  FP8 speed-up (`dense_gemm_fp8`), routed experts at the measured grouped-GEMM rate (x the rowwise FP8 speed-up
+  when FP8), the fused LM-head CE at its measured time per row; full AC recomputes every forward GEMM, selective AC
+  the grouped expert GEMMs (a custom op its policy does not save). With FP8, `fp8_bound` says what it gives the
+  step and could give at most.
 - KDA at FLA's measured time per token and head; DSA attention as the absorbed sparse MLA over the K selected
-  tokens (an assumed rate: the Triton kernel has not been timed on the H200), or in the dense warm-up masked SDPA
-  over every key (measured cuDNN rate); the indexer's tiled top-k and KL (scores, their gradients and the KL target's
-  logits) run in FP32 at the measured FP32 rate.
+  tokens (measured rate), or (the dense warm-up, and rows of at most dsa_dense_max_len) masked SDPA over every key
+  up to each query chunk's last (measured cuDNN rate), a one-document row's leading causal rows at the measured
+  causal SDPA rate; the indexer's tiled top-k and KL (scores, their gradients and the KL target's logits) run in
+  FP32 at the measured FP32 rate.
 - activation_checkpoint.recompute_modules (selective): the listed parts' forward once more in the backward, at
-  the same rates (`recompute_modules` term).
+  the same rates (`recompute_modules`; the converted projections' share `recompute_modules_fp8`).
 - Memory-bound work (mHC, norms, gates, convs, routing) that no FLOP count sees: a time per token and block, the
   residual of the measured proxy benchmark after the terms above (hardware.GpuSpec.elementwise_s_per_token_block).
 - train.py's own work (scope "train"): the optimizer step at its measured time per trainable element (AdamW8bit;
