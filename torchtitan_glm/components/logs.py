@@ -162,7 +162,8 @@ def compute_line(cfg: Any) -> str:
 def data_line(data: dict[str, Any], *, steps: int, global_batch_rows: int) -> tuple[str, str | None]:
     """The summary's data row from PackedDataLoader.summary() (source, files, documents, tokens, rows per epoch,
     document masking) and how many epochs `steps` global batches of `global_batch_rows` rows cover, so that
-    repeated data is seen before training; and a warning (None if not) when one global batch holds more rows than an epoch."""
+    repeated data is seen before training; and a warning (None if not) when one global batch holds more rows than
+    an epoch."""
     files = data["files"]
     names = ", ".join(files[:3]) + (f", ... ({len(files)} files)" if len(files) > 3 else "")
     where = f"{len(files)} standard-library files" if data["source"] == "builtin" else names

@@ -50,8 +50,9 @@ class ActContext:
     compiled: bool = True  # the blocks are compiled: under AC what a block holds while it runs is its compiled
     # inventory, in eager its eager one
     recompute: tuple[str, ...] = ()  # activation_checkpoint.recompute_modules (selective): labels not kept
-    # the rows carry document ids (data.document_masking; under CP always): false, each row is one causal sequence,
-    # so no block keeps ids and the dense DSA kernel runs causal rows without a mask (dsa.py, masked_attention.py)
+    # the rows carry document ids (data.document_masking; the caller sets it under CP, where the trainer always
+    # passes ids): false, each row is one causal sequence, so no block keeps ids and the dense DSA kernel runs causal
+    # rows without a mask (dsa.py, masked_attention.py)
     document_masking: bool = True
 
     def recomputes(self, label: str) -> bool:
@@ -60,7 +61,7 @@ class ActContext:
     @property
     def causal_dsa_rows(self) -> int:
         """Leading rows the dense DSA kernel runs causal with no mask: one-document rows only."""
-        return 0 if self.document_masking or self.cp > 1 else self.args.causal_dsa_rows(self.keys)
+        return 0 if self.document_masking else self.args.causal_dsa_rows(self.keys)
 
     @property
     def dsa_mask(self) -> bool:

@@ -214,8 +214,7 @@ def _recompute_seconds(args, ctx: ActContext, gpu: GpuSpec, *, layers: list, fp8
 
 def dense_fp8(inv: ModelInventory, gpu: GpuSpec) -> tuple[float, float]:
     """(speed-up, share): the measured FP8 speed-up of the dense projections Float8Linear converts, and their share
-    of the dense projections' FLOPs (0 without FP8). Times add, so the mean time per FLOP is harmonic:
-    (1 - share + share / speed-up) / the BF16 rate."""
+    of the dense projections' FLOPs (0 without FP8). Times add: the converted share is timed as its own term."""
     if not inv.fp8_recipe:
         return 1.0, 0.0
     speedup = gpu.fp8_speedup_tensorwise if inv.fp8_recipe == "tensorwise" else gpu.fp8_speedup_rowwise
