@@ -167,18 +167,20 @@ def _kda(t: _Terms, regime: str) -> None:
         t.fixed("kda", 3 * c.batch * 2 * (w - 1) * hk * a / c.tp)
         t.tok("kda", 8)
     if regime == "compiled":
-        # the projections, the convs' inputs: the convs run in checkpointed regions (short_conv.py), so their
-        # outputs, the KDA op's q, k, v, are recomputed from these in backward rather than kept
-        t.tok("kda", 3 * hk * a
+        # the projections (the convs' inputs, which the conv op keeps, ops/causal_conv.py) and the convs' outputs
+        # (q, k, v, which the KDA op keeps): AOTAutograd's partitioner does not recompute an opaque op, so compiled
+        # blocks keep both, as eager ones do
+        t.tok("kda", 2 * 3 * hk * a
               + 4 * hk + 4 * hk * a  # decay (FP32); f_b, KDA output, g_b, o_norm output
               + 4 * h + h * a, heads=True)  # o_norm rsqrt, beta
-        # f_a/g_a outputs; with document ids the convs' positions in the document and their FP32 tap masks
-        t.tok("kda", 2 * k * a + (8 + 4 * (w - 1) if c.document_masking else 0))
+        # f_a/g_a outputs; with document ids the convs' positions in the document (the op builds its tap masks)
+        # and the ids the KDA op keeps
+        t.tok("kda", 2 * k * a + (16 if c.document_masking else 0))
         t.tok("block_out", d * a)  # o_proj output
         return
     if not c.fp32_params:
-        t.fixed("kda", 3 * hk * w * 4 + k * 4)  # conv weights / o_norm weight .float() copies
-    t.tok("kda", 3 * hk * a  # the convs' inputs (short_conv.py recomputes the rest)
+        t.fixed("kda", k * 4)  # the o_norm weight's .float() copy (the conv op takes its weight as it is)
+    t.tok("kda", 3 * hk * a  # the convs' inputs (ops/causal_conv.py recomputes the rest)
           + 3 * hk * a  # q, k, v (the kernel's inputs)
           + hk * a + 4 * hk  # decay (kda_gate.py): the gate output; the kernel's g
           + h * a  # beta
@@ -477,8 +479,9 @@ def backward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bo
         # FLA chunk_kda backward: dq, dk, dg in FP32, dv, recomputed chunk states and their FP32 gradients
         work += _per_token(ctx, 3 * 4 * h * k + h * k * a + h * k * k * (a + 4) / FLA_CHUNK + 2 * 4 * h * FLA_CHUNK,
                            heads=True)
-        # a short conv's backward: x, the pre-activation, its sigmoid, g, a tap and dx in FP32 over one channel chunk
-        # (the gated norm's chunked backward, gated_norm.py, holds fewer of the same size)
+        # the short conv's reference backward (ops/causal_conv.py): x, the pre-activation, its sigmoid, g, a tap and
+        # dx in FP32 over one channel chunk. Its CUDA kernel holds only dx; the term stays as the bound of the gated
+        # norm's chunked backward (gated_norm.py), which holds fewer of the same size.
         work += 6 * 4 * min(_per_token(ctx, h * k, heads=True), BWD_CHUNK_ELEMENTS)
     if "dsa" in kind or kind == "mtp":
         h, dqk, dv, kvl = args.num_attention_heads, args.qk_head_dim, args.v_head_dim, args.kv_lora_rank

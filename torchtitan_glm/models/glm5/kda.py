@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan_glm.ops.causal_conv import causal_conv_silu
 from torchtitan_glm.ops.kda import kda as kda_op
 from torchtitan_glm.ops.kda_cp import conv_halo, kda_cp
 from torchtitan_glm.ops.kda_decode import kda_prefill, kda_step
@@ -18,15 +19,11 @@ from .cache import KDACache
 from .gated_norm import gated_rms_norm
 from .kda_gate import kda_log_decay
 from .layers import init_linear, local_param
-from .short_conv import causal_conv_silu
 
 
 class ShortConv(nn.Module):
-    """Depthwise causal conv (kernel W) + SiLU, in FP32, restarted at document boundaries (short_conv.py).
-
-    Written as W shifted multiply-adds rather than F.conv1d so that packed documents need no extra path: a tap
-    that reaches into the previous document is masked to zero. Compile fuses it into one elementwise kernel.
-    """
+    """Depthwise causal conv (kernel W) + SiLU, in FP32, restarted at document boundaries (ops/causal_conv.py):
+    a tap that reaches into the previous document reads zero."""
 
     keep_fp32 = True
 
@@ -40,8 +37,8 @@ class ShortConv(nn.Module):
         """x [B, T, C]; pos_in_doc [B, T] (None: one document per row). Under context parallelism the local T
         holds P slots of the row that are not adjacent, and halo [B, P, W-1, C] (ops.kda_cp.conv_halo) holds the
         W-1 tokens before each slot; pos_in_doc is then the position in the (global) document."""
-        # [C, W]; tap W-1 multiplies x_t, W-1-j x_{t-j}
-        return causal_conv_silu(x, local_param(self.weight).float().squeeze(1), pos_in_doc, halo)
+        # [C, W]; tap W-1 multiplies x_t, W-1-j x_{t-j}; the op computes in FP32 whatever the weight's dtype
+        return causal_conv_silu(x, local_param(self.weight).squeeze(1), pos_in_doc, halo)
 
     def init_weights(self, *, std: float) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=std)

@@ -1,15 +1,20 @@
-"""The KDA short conv Function (models/glm5/short_conv.py): forward and gradients against an fp64 windowed reference
-(documents, halos, tokens fewer than taps, channel chunks), gradcheck, and that backward holds no FP32 copy."""
+"""The KDA short conv op (ops/causal_conv.py): forward and gradients against an fp64 windowed reference (documents,
+halos, tokens fewer than taps, channel chunks), gradcheck, that backward holds no FP32 copy, and the Triton kernels
+against the torch reference under Triton's CPU interpreter."""
 
 from __future__ import annotations
+
+import importlib.util
+import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.interpret import run_interpreted
 from tests.saved import saved_for_backward
-from torchtitan_glm.models.glm5 import layers
-from torchtitan_glm.models.glm5.short_conv import causal_conv_silu
+from torchtitan_glm.ops import causal_conv
+from torchtitan_glm.ops.causal_conv import causal_conv_silu
 
 
 def _reference(x, w, pos, halo):
@@ -51,7 +56,7 @@ def _case(seed, *, bsz=2, seqlen=24, ch=10, kernel=4, slots=0, docs=True, dtype=
 @pytest.mark.parametrize("slots", [0, 1, 3])
 @pytest.mark.parametrize("docs", [False, True])
 def test_forward_and_gradients_match_fp64_windows(slots, docs, monkeypatch):
-    monkeypatch.setattr(layers, "BWD_CHUNK_ELEMENTS", 24 * 2 * 3)  # 3 channels per backward chunk
+    monkeypatch.setattr(causal_conv, "_BWD_CHUNK_ELEMENTS", 24 * 2 * 3)  # 3 channels per backward chunk
     x, w, pos, halo = _case(0, slots=slots, docs=docs)
     x.requires_grad_(True)
     w.requires_grad_(True)
@@ -107,9 +112,9 @@ def test_bf16_input_keeps_no_fp32_copy_for_backward():
 
 @pytest.mark.parametrize("with_docs", [False, True])
 def test_compiled_keeps_no_fp32_copy_for_backward_and_equals_eager(with_docs):
-    """Under torch.compile (inductor) too: AOTAutograd's partitioner kept three FP32 [B, T, C] intermediates for the
-    backward of the Function's graph until the region was checkpointed (this test fails without it). Output and
-    gradients equal eager's."""
+    """Under torch.compile (inductor) too: compiled as the plain expression, AOTAutograd's partitioner kept three FP32
+    [B, T, C] intermediates for the backward; the opaque op keeps its inputs. Compiled runs the same kernels as
+    eager, so output and gradients are bit-identical."""
     x, w, pos, _ = _case(4, seqlen=64, ch=32, dtype=torch.bfloat16)
     pos = pos if with_docs else None
     torch._dynamo.reset()
@@ -124,6 +129,49 @@ def test_compiled_keeps_no_fp32_copy_for_backward_and_equals_eager(with_docs):
     (y0, dx0, dw0, _), (y1, dx1, dw1, held) = runs
     big_fp32 = [tuple(t.shape) for t in held if t.dtype == torch.float32 and t.numel() >= x.numel()]
     assert not big_fp32, big_fp32
-    torch.testing.assert_close(y1, y0)  # BF16 defaults: FP32 sums fused differently, rounded once
-    torch.testing.assert_close(dx1, dx0)
-    torch.testing.assert_close(dw1, dw0, rtol=1e-4, atol=1e-5)
+    for a, b in ((y1, y0), (dx1, dx0), (dw1, dw0)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_custom_ops_pass_opcheck():
+    """Fake kernels, schemas and the registered autograd agree with the CPU kernels (torch.library.opcheck)."""
+    x, w, pos, halo = _case(6, seqlen=12, slots=2)
+    for h in (None, halo):
+        args = (x.clone().requires_grad_(True), w.clone().requires_grad_(True), pos, h)
+        torch.library.opcheck(torch.ops.torchtitan_glm.causal_conv_silu_fwd.default, args)
+
+
+_INTERPRET_SCRIPT = textwrap.dedent("""
+    import torch
+    from torchtitan_glm.ops.causal_conv import causal_conv_silu_reference, causal_conv_silu_reference_bwd
+    from torchtitan_glm.ops.causal_conv_triton import (_CONFIGS, causal_conv_silu_bwd_triton,
+                                                       causal_conv_silu_fwd_triton)
+    from tests.unit.test_causal_conv import _case
+
+    # every config (the autotuner needs a GPU); T not a multiple of any config's BT, C not one of BD; documents
+    # and none; kernel widths 4 and 2
+    cases = [(70, 200, 4, True, torch.float32), (70, 200, 4, False, torch.float32), (33, 130, 2, True, torch.float32),
+             (70, 200, 4, True, torch.bfloat16)]
+    for (seqlen, ch, kernel, docs, dtype), c in [(case, c) for case in cases for c in _CONFIGS]:
+        config = dict(c.kwargs, num_warps=c.num_warps)
+        x, w, pos, _ = _case(7, bsz=2, seqlen=seqlen, ch=ch, kernel=kernel, docs=docs, dtype=dtype)
+        dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(8)).to(dtype)
+        y = causal_conv_silu_fwd_triton(x, w, pos, config=config)
+        dx, dw = causal_conv_silu_bwd_triton(dy, x, w, pos, config=config)
+        y_ref = causal_conv_silu_reference(x, w, pos, None)
+        dx_ref, dw_ref, _ = causal_conv_silu_reference_bwd(dy, x, w, pos, None)
+        # FP32: the sums' order and FMA contraction; BF16: one rounding of the output
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(y, y_ref, **tol)
+        torch.testing.assert_close(dx, dx_ref, **tol)
+        torch.testing.assert_close(dw, dw_ref, rtol=1e-5, atol=1e-4 * float(dw_ref.abs().max()))
+        assert y.dtype == dx.dtype == dtype and dw.dtype == torch.float32 and dw.shape == w.shape
+    print("TRITON_INTERPRET_OK")
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_kernels_under_interpreter():
+    """The Triton forward and backward against the torch reference, run by Triton's CPU interpreter."""
+    res = run_interpreted("-c", _INTERPRET_SCRIPT)
+    assert res.returncode == 0 and "TRITON_INTERPRET_OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]

@@ -1,0 +1,142 @@
+"""Triton kernels of ops/causal_conv.py (CUDA): the KDA short conv, silu(depthwise causal conv), forward and backward.
+
+Why hand-written: FLA's `causal_conv1d` restarts documents only through host-built `cu_seqlens`/chunk indices (a
+host sync where the ids live on the device) and its backward evaluates SiLU' on a pre-activation it first writes to
+memory in the input's dtype (BF16). These kernels mask a tap by the token's position in its document, read on the
+device, and the backward recomputes the FP32 pre-activation in registers, so nothing but dx and per-tile dw partial
+sums is written. Inductor's kernels for the plain expression ran at about a fifth of the HBM bandwidth on an H100
+(T = 8,192, 8,192 channels: 383 us for the forward, which moves 256 MB; docs/performance.md, twenty-second session).
+
+One program covers BT tokens x BD channels of one row; the W shifted reads of each token hit L1/L2.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["causal_conv_silu_fwd_triton", "causal_conv_silu_bwd_triton"]
+
+_CONFIGS = [
+    triton.Config({"BT": bt, "BD": bd}, num_warps=w)
+    for bt, bd, w in [(32, 128, 4), (64, 128, 8), (16, 256, 4), (64, 64, 4)]
+]
+
+
+@triton.jit
+def _pre_activation(x_row, w, pos_row, o_t, o_d, m_d, T, C, W: tl.constexpr, HAS_POS: tl.constexpr):
+    """sum_j m_j(t) x_{t-j} w[:, W-1-j] in FP32 for the tokens o_t (m_j: t - j in t's document and in the row),
+    summed in the torch reference's order (tap 0 first)."""
+    m_t = (o_t >= 0) & (o_t < T)
+    if HAS_POS:
+        pos = tl.load(pos_row + o_t, mask=m_t, other=0)
+    acc = tl.zeros((o_t.shape[0], o_d.shape[0]), dtype=tl.float32)
+    for j in tl.static_range(W):
+        m = m_t & (o_t - j >= 0)
+        if HAS_POS:
+            m = m & (pos >= j)
+        xj = tl.load(x_row + (o_t - j)[:, None] * C + o_d[None, :], mask=m[:, None] & m_d[None, :], other=0.0)
+        wj = tl.load(w + o_d * W + (W - 1 - j), mask=m_d, other=0.0).to(tl.float32)
+        acc += xj.to(tl.float32) * wj[None, :]
+    return acc
+
+
+@triton.jit
+def _fwd_kernel(x, w, pos, y, T, C, W: tl.constexpr, HAS_POS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)  # token * C passes 2^31 past T = 256K at 8,192 channels
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < C
+    row = i_b.to(tl.int64) * T * C
+    pre = _pre_activation(x + row, w, pos + i_b.to(tl.int64) * T, o_t, o_d, m_d, T, C, W, HAS_POS)
+    out = pre * tl.sigmoid(pre)
+    tl.store(y + row + o_t[:, None] * C + o_d[None, :], out.to(y.dtype.element_ty),
+             mask=(o_t < T)[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _bwd_kernel(x, w, pos, dy, dx, dw_part, T, C, NT, W: tl.constexpr, HAS_POS: tl.constexpr, BT: tl.constexpr,
+                BD: tl.constexpr):
+    """dx_t = sum_j m_j(t+j) g_{t+j} w[:, W-1-j] and this tile's share of dw[:, W-1-j] = sum_t m_j(t) g_t x_{t-j},
+    with g = dy silu'(pre) recomputed for every token the tile's taps reach."""
+    i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < C
+    row = i_b.to(tl.int64) * T * C
+    x_row, pos_row = x + row, pos + i_b.to(tl.int64) * T
+    acc = tl.zeros((BT, BD), dtype=tl.float32)
+    g0 = tl.zeros((BT, BD), dtype=tl.float32)
+    for j in tl.static_range(W):
+        s = o_t + j  # the token whose tap j reads x_t
+        m_s = s < T
+        pre = _pre_activation(x_row, w, pos_row, s, o_d, m_d, T, C, W, HAS_POS)
+        dys = tl.load(dy + row + s[:, None] * C + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
+        sig = tl.sigmoid(pre)
+        g = dys.to(tl.float32) * (sig * (1 + pre * (1 - sig)))
+        if j == 0:
+            g0 = g
+        keep = m_s
+        if HAS_POS:
+            keep = keep & (tl.load(pos_row + s, mask=m_s, other=0) >= j)
+        wj = tl.load(w + o_d * W + (W - 1 - j), mask=m_d, other=0.0).to(tl.float32)
+        acc += tl.where(keep[:, None], g, 0.0) * wj[None, :]
+    m_t = o_t < T
+    tl.store(dx + row + o_t[:, None] * C + o_d[None, :], acc.to(dx.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
+    if HAS_POS:
+        pos_t = tl.load(pos_row + o_t, mask=m_t, other=0)
+    part = dw_part + ((i_b * NT + i_t).to(tl.int64) * W) * C
+    for j in tl.static_range(W):
+        m = m_t & (o_t - j >= 0)
+        if HAS_POS:
+            m = m & (pos_t >= j)
+        xj = tl.load(x_row + (o_t - j)[:, None] * C + o_d[None, :], mask=m[:, None] & m_d[None, :], other=0.0)
+        tl.store(part + (W - 1 - j) * C + o_d, tl.sum(g0 * xj.to(tl.float32), axis=0), mask=m_d)
+
+
+_fwd_tuned = triton.autotune(_CONFIGS, key=["C", "W"])(_fwd_kernel)
+# a config writes the dw partial rows of its own tile count: zeroed before each trial, so none is left from another
+_bwd_tuned = triton.autotune(_CONFIGS, key=["C", "W"], reset_to_zero=["dw_part"])(_bwd_kernel)
+
+
+def _grid(meta, bsz: int, seqlen: int, ch: int):
+    return triton.cdiv(ch, meta["BD"]), triton.cdiv(seqlen, meta["BT"]), bsz
+
+
+def _launch(tuned, kernel, config: dict | None, bsz: int, seqlen: int, ch: int, *args, **meta) -> None:
+    if config is None:
+        tuned[lambda m: _grid(m, bsz, seqlen, ch)](*args, **meta)
+    else:
+        kernel[_grid(config, bsz, seqlen, ch)](*args, **meta, **config)
+
+
+def causal_conv_silu_fwd_triton(x: Tensor, weight: Tensor, pos_in_doc: Tensor | None, *,
+                                config: dict | None = None) -> Tensor:
+    """silu(conv) of x [B, T, C] (contiguous) with weight [C, W]; pos_in_doc [B, T] or None. Output in x's dtype.
+    `config` ({"BT", "BD", "num_warps"}) skips autotuning."""
+    bsz, seqlen, ch = x.shape
+    y = torch.empty_like(x)
+    w = weight.contiguous()
+    pos = x if pos_in_doc is None else pos_in_doc.contiguous()  # a dummy pointer without positions
+    _launch(_fwd_tuned, _fwd_kernel, config, bsz, seqlen, ch, x, w, pos, y, seqlen, ch, W=w.shape[1],
+            HAS_POS=pos_in_doc is not None)
+    return y
+
+
+def causal_conv_silu_bwd_triton(dy: Tensor, x: Tensor, weight: Tensor, pos_in_doc: Tensor | None, *,
+                                config: dict | None = None) -> tuple[Tensor, Tensor]:
+    """(dx in x's dtype, dw [C, W] in FP32): per-tile dw partial sums, then one sum over the tiles (no atomics, so
+    the result does not depend on the schedule)."""
+    bsz, seqlen, ch = x.shape
+    w = weight.contiguous()
+    kernel = w.shape[1]
+    dx = torch.empty_like(x)
+    pos = x if pos_in_doc is None else pos_in_doc.contiguous()
+    # sized for the smallest BT of the configs; tiles of a larger BT leave their unused rows at zero
+    nt = triton.cdiv(seqlen, min(c.kwargs["BT"] for c in _CONFIGS))
+    dw_part = torch.zeros(bsz * nt, kernel, ch, dtype=torch.float32, device=x.device)
+    _launch(_bwd_tuned, _bwd_kernel, config, bsz, seqlen, ch, x, w, pos, dy.contiguous(), dx, dw_part, seqlen, ch, nt,
+            W=kernel, HAS_POS=pos_in_doc is not None)
+    return dx, dw_part.sum(0).t().contiguous()
