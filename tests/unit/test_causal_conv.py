@@ -166,6 +166,15 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
         torch.testing.assert_close(dx, dx_ref, **tol)
         torch.testing.assert_close(dw, dw_ref, rtol=1e-5, atol=1e-4 * float(dw_ref.abs().max()))
         assert y.dtype == dx.dtype == dtype and dw.dtype == torch.float32 and dw.shape == w.shape
+    # one backward program over a whole row of several tiles (as at long T, where a program takes 128+ tokens)
+    import torchtitan_glm.ops.causal_conv_triton as kernels
+    kernels._MAX_SPLITS = 1
+    x, w, pos, _ = _case(9, bsz=2, seqlen=150, ch=70)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(8))
+    dx, dw = causal_conv_silu_bwd_triton(dy, x, w, pos, config=dict(BT=32, BD=128, num_warps=4))
+    dx_ref, dw_ref, _ = causal_conv_silu_reference_bwd(dy, x, w, pos, None)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw, dw_ref, rtol=1e-5, atol=1e-4 * float(dw_ref.abs().max()))
     print("TRITON_INTERPRET_OK")
 """)
 

@@ -7,7 +7,8 @@ device, and the backward recomputes the FP32 pre-activation in registers, so not
 sums is written. Inductor's kernels for the plain expression ran at about a fifth of the HBM bandwidth on an H100
 (T = 8,192, 8,192 channels: 383 us for the forward, which moves 256 MB; docs/performance.md, twenty-second session).
 
-One program covers BT tokens x BD channels of one row; the W shifted reads of each token hit L1/L2.
+A forward program covers BT tokens x BD channels of one row, a backward program a range of such tiles (its dw
+partial sum stays in registers); the W shifted reads of each token hit L1/L2.
 """
 
 from __future__ import annotations
@@ -57,59 +58,66 @@ def _fwd_kernel(x, w, pos, y, T, C, W: tl.constexpr, HAS_POS: tl.constexpr, BT: 
 
 
 @triton.jit
-def _bwd_kernel(x, w, pos, dy, dx, dw_part, T, C, NT, W: tl.constexpr, HAS_POS: tl.constexpr, BT: tl.constexpr,
-                BD: tl.constexpr):
-    """dx_t = sum_j m_j(t+j) g_{t+j} w[:, W-1-j] and this tile's share of dw[:, W-1-j] = sum_t m_j(t) g_t x_{t-j},
-    with g = dy silu'(pre) recomputed for every token the tile's taps reach."""
-    i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
+def _bwd_kernel(x, w, pos, dy, dx, dw_part, T, C, NS, TOK: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, HAS_POS: tl.constexpr,
+                BT: tl.constexpr, BD: tl.constexpr):
+    """For the tokens [i_s TOK, (i_s + 1) TOK) of a row, in tiles of BT: dx_t = sum_j m_j(t+j) g_{t+j} w[:, W-1-j],
+    with g = dy silu'(pre) recomputed for every token the tile's taps reach; and the range's share of
+    dw[:, W-1-j] = sum_t m_j(t) g_t x_{t-j}, one [W, BD] partial sum per program."""
+    i_d, i_s, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < C
+    o_w = tl.arange(0, BW)
     row = i_b.to(tl.int64) * T * C
     x_row, pos_row = x + row, pos + i_b.to(tl.int64) * T
-    acc = tl.zeros((BT, BD), dtype=tl.float32)
-    g0 = tl.zeros((BT, BD), dtype=tl.float32)
-    for j in tl.static_range(W):
-        s = o_t + j  # the token whose tap j reads x_t
-        m_s = s < T
-        pre = _pre_activation(x_row, w, pos_row, s, o_d, m_d, T, C, W, HAS_POS)
-        dys = tl.load(dy + row + s[:, None] * C + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
-        sig = tl.sigmoid(pre)
-        g = dys.to(tl.float32) * (sig * (1 + pre * (1 - sig)))
-        if j == 0:
-            g0 = g
-        keep = m_s
+    dw_acc = tl.zeros((BW, BD), dtype=tl.float32)
+    for it in range(0, TOK // BT):  # the last range's tiles past T are masked out
+        o_t = (i_s * TOK + it * BT + tl.arange(0, BT)).to(tl.int64)
+        acc = tl.zeros((BT, BD), dtype=tl.float32)
+        g0 = tl.zeros((BT, BD), dtype=tl.float32)
+        for j in tl.static_range(W):
+            s = o_t + j  # the token whose tap j reads x_t
+            m_s = s < T
+            pre = _pre_activation(x_row, w, pos_row, s, o_d, m_d, T, C, W, HAS_POS)
+            dys = tl.load(dy + row + s[:, None] * C + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
+            sig = tl.sigmoid(pre)
+            g = dys.to(tl.float32) * (sig * (1 + pre * (1 - sig)))
+            if j == 0:
+                g0 = g
+            keep = m_s
+            if HAS_POS:
+                keep = keep & (tl.load(pos_row + s, mask=m_s, other=0) >= j)
+            wj = tl.load(w + o_d * W + (W - 1 - j), mask=m_d, other=0.0).to(tl.float32)
+            acc += tl.where(keep[:, None], g, 0.0) * wj[None, :]
+        m_t = o_t < T
+        tl.store(dx + row + o_t[:, None] * C + o_d[None, :], acc.to(dx.dtype.element_ty),
+                 mask=m_t[:, None] & m_d[None, :])
         if HAS_POS:
-            keep = keep & (tl.load(pos_row + s, mask=m_s, other=0) >= j)
-        wj = tl.load(w + o_d * W + (W - 1 - j), mask=m_d, other=0.0).to(tl.float32)
-        acc += tl.where(keep[:, None], g, 0.0) * wj[None, :]
-    m_t = o_t < T
-    tl.store(dx + row + o_t[:, None] * C + o_d[None, :], acc.to(dx.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
-    if HAS_POS:
-        pos_t = tl.load(pos_row + o_t, mask=m_t, other=0)
-    part = dw_part + ((i_b * NT + i_t).to(tl.int64) * W) * C
-    for j in tl.static_range(W):
-        m = m_t & (o_t - j >= 0)
-        if HAS_POS:
-            m = m & (pos_t >= j)
-        xj = tl.load(x_row + (o_t - j)[:, None] * C + o_d[None, :], mask=m[:, None] & m_d[None, :], other=0.0)
-        tl.store(part + (W - 1 - j) * C + o_d, tl.sum(g0 * xj.to(tl.float32), axis=0), mask=m_d)
+            pos_t = tl.load(pos_row + o_t, mask=m_t, other=0)
+        for j in tl.static_range(W):
+            m = m_t & (o_t - j >= 0)
+            if HAS_POS:
+                m = m & (pos_t >= j)
+            xj = tl.load(x_row + (o_t - j)[:, None] * C + o_d[None, :], mask=m[:, None] & m_d[None, :], other=0.0)
+            tap = tl.sum(g0 * xj.to(tl.float32), axis=0)
+            dw_acc += tl.where(o_w[:, None] == W - 1 - j, tap[None, :], 0.0)
+    part = dw_part + ((i_b * NS + i_s).to(tl.int64) * W) * C
+    tl.store(part + o_w[:, None] * C + o_d[None, :], dw_acc, mask=(o_w < W)[:, None] & m_d[None, :])
 
 
 _fwd_tuned = triton.autotune(_CONFIGS, key=["C", "W"])(_fwd_kernel)
-# a config writes the dw partial rows of its own tile count: zeroed before each trial, so none is left from another
-_bwd_tuned = triton.autotune(_CONFIGS, key=["C", "W"], reset_to_zero=["dw_part"])(_bwd_kernel)
+_bwd_tuned = triton.autotune(_CONFIGS, key=["C", "W"])(_bwd_kernel)
+# The backward's programs each take a range of whole tiles: a power of two, a multiple of every config's BT (a
+# compile-time constant, so few distinct values), and at most _MAX_SPLITS ranges per row, so the FP32 dw partial
+# sums stay small (32 MiB at 8,192 channels; one per tile was 1 GiB at T = 128K).
+_SPLIT_QUANTUM = max(c.kwargs["BT"] for c in _CONFIGS)
+_MAX_SPLITS = 256
 
 
-def _grid(meta, bsz: int, seqlen: int, ch: int):
-    return triton.cdiv(ch, meta["BD"]), triton.cdiv(seqlen, meta["BT"]), bsz
-
-
-def _launch(tuned, kernel, config: dict | None, bsz: int, seqlen: int, ch: int, *args, **meta) -> None:
+def _launch(tuned, kernel, config: dict | None, grid, *args, **meta) -> None:
     if config is None:
-        tuned[lambda m: _grid(m, bsz, seqlen, ch)](*args, **meta)
+        tuned[grid](*args, **meta)
     else:
-        kernel[_grid(config, bsz, seqlen, ch)](*args, **meta, **config)
+        kernel[grid(config)](*args, **meta, **config)
 
 
 def causal_conv_silu_fwd_triton(x: Tensor, weight: Tensor, pos_in_doc: Tensor | None, *,
@@ -120,23 +128,24 @@ def causal_conv_silu_fwd_triton(x: Tensor, weight: Tensor, pos_in_doc: Tensor | 
     y = torch.empty_like(x)
     w = weight.contiguous()
     pos = x if pos_in_doc is None else pos_in_doc.contiguous()  # a dummy pointer without positions
-    _launch(_fwd_tuned, _fwd_kernel, config, bsz, seqlen, ch, x, w, pos, y, seqlen, ch, W=w.shape[1],
-            HAS_POS=pos_in_doc is not None)
+    _launch(_fwd_tuned, _fwd_kernel, config, lambda m: (triton.cdiv(ch, m["BD"]), triton.cdiv(seqlen, m["BT"]), bsz),
+            x, w, pos, y, seqlen, ch, W=w.shape[1], HAS_POS=pos_in_doc is not None)
     return y
 
 
 def causal_conv_silu_bwd_triton(dy: Tensor, x: Tensor, weight: Tensor, pos_in_doc: Tensor | None, *,
                                 config: dict | None = None) -> tuple[Tensor, Tensor]:
-    """(dx in x's dtype, dw [C, W] in FP32): per-tile dw partial sums, then one sum over the tiles (no atomics, so
-    the result does not depend on the schedule)."""
+    """(dx in x's dtype, dw [C, W] in FP32): per-program dw partial sums, then one sum over them (no atomics, so the
+    result does not depend on the schedule)."""
     bsz, seqlen, ch = x.shape
     w = weight.contiguous()
     kernel = w.shape[1]
     dx = torch.empty_like(x)
     pos = x if pos_in_doc is None else pos_in_doc.contiguous()
-    # sized for the smallest BT of the configs; tiles of a larger BT leave their unused rows at zero
-    nt = triton.cdiv(seqlen, min(c.kwargs["BT"] for c in _CONFIGS))
-    dw_part = torch.zeros(bsz * nt, kernel, ch, dtype=torch.float32, device=x.device)
-    _launch(_bwd_tuned, _bwd_kernel, config, bsz, seqlen, ch, x, w, pos, dy.contiguous(), dx, dw_part, seqlen, ch, nt,
-            W=kernel, HAS_POS=pos_in_doc is not None)
+    tok = max(_SPLIT_QUANTUM, triton.next_power_of_2(triton.cdiv(seqlen, _MAX_SPLITS)))
+    splits = triton.cdiv(seqlen, tok)
+    dw_part = torch.empty(bsz * splits, kernel, ch, dtype=torch.float32, device=x.device)
+    _launch(_bwd_tuned, _bwd_kernel, config, lambda m: (triton.cdiv(ch, m["BD"]), splits, bsz),
+            x, w, pos, dy.contiguous(), dx, dw_part, seqlen, ch, splits, TOK=tok, W=kernel,
+            BW=triton.next_power_of_2(kernel), HAS_POS=pos_in_doc is not None)
     return dx, dw_part.sum(0).t().contiguous()
