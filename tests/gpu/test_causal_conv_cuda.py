@@ -1,6 +1,6 @@
 """CUDA (Triton) KDA short conv against the torch reference at the proxy's width (8,192 channels, 4 taps), through the
-custom op and its autograd: packed documents and one document per row, BF16 and FP32; and a halo (context
-parallelism) still takes the reference on CUDA."""
+custom op and its autograd: packed documents and one document per row, BF16, FP16 and FP32, a BF16 weight, int32
+positions; and a halo (context parallelism), which takes the reference on CUDA, against the CPU op."""
 
 from __future__ import annotations
 
@@ -48,8 +48,31 @@ def test_triton_matches_reference(dtype, docs):
         assert (y == y_ref).float().mean() > 0.99
 
 
-def test_halo_takes_the_reference_on_cuda():
-    x, w, pos, dy = _inputs(64, 256, torch.bfloat16, True)
-    halo = torch.randn(2, 1, 3, 256, device="cuda", dtype=torch.bfloat16)
-    y = causal_conv_silu(x, w, pos, halo)
-    torch.testing.assert_close(y, causal_conv_silu_reference(x, w, pos, halo), rtol=0, atol=0)
+def test_other_dtypes_short_rows_and_int32_positions():
+    """FP16 input, a BF16 weight (its gradient comes back in BF16), int32 positions, rows shorter than a tile."""
+    for seqlen in (5, 70):
+        x, w, pos, dy = _inputs(seqlen, 320, torch.float16, True, bsz=3)
+        w, pos = w.bfloat16(), pos.int()
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = causal_conv_silu(xi, wi, pos)
+        y.backward(dy)
+        dx_ref, dw_ref, _ = causal_conv_silu_reference_bwd(dy, x, w, pos.long(), None)
+        torch.testing.assert_close(y, causal_conv_silu_reference(x, w, pos.long(), None), rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(xi.grad, dx_ref, rtol=2e-3, atol=2e-3)
+        assert wi.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(wi.grad, dw_ref, rtol=1.6e-2, atol=1e-2 * float(dw_ref.abs().max()))
+
+
+def test_a_halo_on_cuda_equals_the_cpu_op():
+    """With a halo (context parallelism) CUDA runs the torch reference: forward and gradients (x, weight, halo)
+    equal the CPU op's, FP32."""
+    x, w, pos, dy = _inputs(64, 256, torch.float32, True)
+    halo = torch.randn(2, 1, 3, 256, device="cuda")
+    outs = []
+    for dev in ("cuda", "cpu"):
+        leaves = [t.detach().to(dev).requires_grad_(True) for t in (x, w, halo)]
+        y = causal_conv_silu(leaves[0], leaves[1], pos.to(dev), leaves[2])
+        y.backward(dy.to(dev))
+        outs.append([t.cpu() for t in (y, *(leaf.grad for leaf in leaves))])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

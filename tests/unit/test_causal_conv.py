@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tests.interpret import run_interpreted
 from tests.saved import saved_for_backward
-from torchtitan_glm.ops import causal_conv
+from torchtitan_glm.models.glm5 import layers
 from torchtitan_glm.ops.causal_conv import causal_conv_silu
 
 
@@ -56,7 +56,7 @@ def _case(seed, *, bsz=2, seqlen=24, ch=10, kernel=4, slots=0, docs=True, dtype=
 @pytest.mark.parametrize("slots", [0, 1, 3])
 @pytest.mark.parametrize("docs", [False, True])
 def test_forward_and_gradients_match_fp64_windows(slots, docs, monkeypatch):
-    monkeypatch.setattr(causal_conv, "_BWD_CHUNK_ELEMENTS", 24 * 2 * 3)  # 3 channels per backward chunk
+    monkeypatch.setattr(layers, "BWD_CHUNK_ELEMENTS", 24 * 2 * 3)  # 3 channels per backward chunk
     x, w, pos, halo = _case(0, slots=slots, docs=docs)
     x.requires_grad_(True)
     w.requires_grad_(True)
@@ -133,6 +133,31 @@ def test_compiled_keeps_no_fp32_copy_for_backward_and_equals_eager(with_docs):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_compiled_with_a_halo_keeps_its_inputs_and_matches_eager():
+    """Under context parallelism (a halo) a compiled block runs the conv as a checkpointed plain expression (one fused
+    kernel on CUDA): autograd keeps no FP32 [B, T, C] tensor and no conv output, and values match the eager op."""
+    x, w, pos, halo = _case(10, seqlen=64, ch=32, slots=2, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, h: causal_conv_silu(x, w, pos, h) * 2, fullgraph=True)
+    runs = []
+    for fn in (lambda x, w, h: causal_conv_silu(x, w, pos, h) * 2, compiled):
+        xi, wi, hi = (t.clone().requires_grad_(True) for t in (x, w, halo))
+        with saved_for_backward() as held:
+            y = fn(xi, wi, hi)
+        y.float().square().sum().backward()
+        runs.append((y, xi.grad, wi.grad, hi.grad, held))
+    big = [(tuple(t.shape), t.dtype) for t in runs[1][4] if t.numel() >= x.numel()]
+    assert big == [(tuple(x.shape), torch.bfloat16)], big  # x alone: no conv output, nothing in FP32
+    graphs = []
+    torch._dynamo.reset()
+    torch.compile(lambda x, w, h: causal_conv_silu(x, w, pos, h), fullgraph=True,
+                  backend=lambda gm, _: graphs.append(gm) or gm.forward)(x.requires_grad_(True), w, halo)
+    ops = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert any("tag_activation_checkpoint" in o for o in ops) and not any("causal_conv_silu_fwd" in o for o in ops)
+    for a, b in zip(runs[1][:4], runs[0][:4]):  # BF16 outputs: FP32 sums fused in another order, rounded once
+        torch.testing.assert_close(a.float(), b.float(), rtol=1.6e-2, atol=1e-5 * float(b.abs().max()) + 1e-2)
+
+
 def test_custom_ops_pass_opcheck():
     """Fake kernels, schemas and the registered autograd agree with the CPU kernels (torch.library.opcheck)."""
     x, w, pos, halo = _case(6, seqlen=12, slots=2)
@@ -175,6 +200,15 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
     dx_ref, dw_ref, _ = causal_conv_silu_reference_bwd(dy, x, w, pos, None)
     torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dw, dw_ref, rtol=1e-5, atol=1e-4 * float(dw_ref.abs().max()))
+    kernels._MAX_SPLITS = 256  # 64-token ranges again at this T
+    for bad in (lambda: causal_conv_silu_fwd_triton(x.transpose(1, 2).contiguous().transpose(1, 2), w, pos),
+                lambda: causal_conv_silu_fwd_triton(x, w, pos[:1]),
+                lambda: causal_conv_silu_bwd_triton(dy, x, w, pos, config=dict(BT=128, BD=128, num_warps=4))):
+        try:
+            bad()
+        except ValueError:
+            continue
+        raise AssertionError("a layout the kernels cannot index was accepted")
     print("TRITON_INTERPRET_OK")
 """)
 

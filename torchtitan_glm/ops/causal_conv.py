@@ -6,7 +6,8 @@ Tap W-1 of the weight multiplies x_t, tap W-1-j x_{t-j}; a tap that reaches into
 < j) reads zero. The custom ops `causal_conv_silu_fwd` / `causal_conv_silu_bwd` compile as opaque nodes that keep
 only the inputs for the backward (x in its own dtype, BF16 in training), which recomputes the FP32 pre-activation.
 CPU, and CUDA with a halo (context parallelism, decode): the torch reference below. CUDA without a halo: Triton
-kernels (ops/causal_conv_triton.py).
+kernels (ops/causal_conv_triton.py). Compiled with a halo: the reference as a plain expression in a checkpointed
+region, which inductor fuses.
 """
 
 from __future__ import annotations
@@ -14,12 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 __all__ = ["causal_conv_silu", "causal_conv_silu_reference", "causal_conv_silu_reference_bwd"]
-
-# The reference backward recomputes in channel chunks of at most this many FP32 elements each (256 MiB).
-_BWD_CHUNK_ELEMENTS = 1 << 26
-
 
 def _acc(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)  # FP32, or FP64 for gradcheck
@@ -84,7 +82,9 @@ def causal_conv_silu_reference_bwd(grad_out: Tensor, x: Tensor, weight: Tensor, 
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     dhalo = None if halo is None else torch.empty_like(halo, memory_format=torch.contiguous_format)
     dw = torch.empty_like(weight, dtype=acc, memory_format=torch.contiguous_format)
-    step = max(1, _BWD_CHUNK_ELEMENTS // max(1, x.shape[0] * x.shape[1]))
+    from torchtitan_glm.models.glm5 import layers  # the chunk bound every recomputing backward shares (the planner's)
+
+    step = max(1, layers.BWD_CHUNK_ELEMENTS // max(1, x.shape[0] * x.shape[1]))
     for c0 in range(0, ch, step):  # channel chunks (the conv is depthwise)
         cs = slice(c0, c0 + step)
         xf, w = x[..., cs].to(acc), weight[cs].to(acc)
@@ -115,9 +115,11 @@ def causal_conv_silu_reference_bwd(grad_out: Tensor, x: Tensor, weight: Tensor, 
 # ---------------------------------------------------------------------------------------------
 
 
-def _use_triton(x: Tensor, halo: Tensor | None) -> bool:
-    """The Triton kernels take one contiguous slot per row (no halo) and the float dtypes Triton loads."""
-    return halo is None and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+def _use_triton(x: Tensor, pos_in_doc: Tensor | None, halo: Tensor | None) -> bool:
+    """The Triton kernels take one slot per row (no halo), the float dtypes Triton loads, and positions of x's
+    [B, T] on x's device (the reference also broadcasts them)."""
+    return halo is None and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and (
+        pos_in_doc is None or (pos_in_doc.shape == x.shape[:2] and pos_in_doc.device == x.device))
 
 
 @torch.library.custom_op("torchtitan_glm::causal_conv_silu_fwd", mutates_args=(), device_types="cpu")
@@ -130,7 +132,7 @@ def causal_conv_silu_fwd(x: Tensor, weight: Tensor, pos_in_doc: Tensor | None, h
 @causal_conv_silu_fwd.register_kernel("cuda")
 def _fwd_cuda(x, weight, pos_in_doc, halo):
     with torch.cuda.device(x.device), torch.autocast("cuda", enabled=False):
-        if _use_triton(x, halo):
+        if _use_triton(x, pos_in_doc, halo):
             from .causal_conv_triton import causal_conv_silu_fwd_triton
 
             return causal_conv_silu_fwd_triton(x.contiguous(), weight, pos_in_doc)
@@ -154,7 +156,7 @@ def causal_conv_silu_bwd(grad_out: Tensor, x: Tensor, weight: Tensor, pos_in_doc
 @causal_conv_silu_bwd.register_kernel("cuda")
 def _bwd_cuda(grad_out, x, weight, pos_in_doc, halo):
     with torch.cuda.device(x.device), torch.autocast("cuda", enabled=False):
-        if _use_triton(x, halo):
+        if _use_triton(x, pos_in_doc, halo):
             from .causal_conv_triton import causal_conv_silu_bwd_triton
 
             dx, dw = causal_conv_silu_bwd_triton(grad_out, x.contiguous(), weight, pos_in_doc)
@@ -190,4 +192,10 @@ def causal_conv_silu(x: Tensor, weight: Tensor, pos_in_doc: Tensor | None = None
     FP32, cast to x's dtype. pos_in_doc [B, T]: a tap reaching into the previous document reads zero (None: one
     document per row). halo [B, P, W-1, C]: the local T holds P slots, each preceded by its halo rows (context
     parallelism, decode). Autograd keeps x, weight, pos_in_doc and halo, nothing of [B, T, C] in FP32."""
+    if halo is not None and torch.compiler.is_compiling() and torch.is_grad_enabled():
+        # Context parallelism, compiled: the halo's slots have no Triton kernel, and the reference inside the opaque
+        # op would run unfused (about a dozen kernels, 20 bytes of FP32 temporaries per channel and token). As the
+        # plain expression in a checkpointed region inductor fuses it into one kernel and saves only the inputs;
+        # the conv output is recomputed in backward.
+        return checkpoint(causal_conv_silu_reference, x, weight, pos_in_doc, halo, use_reentrant=False)
     return torch.ops.torchtitan_glm.causal_conv_silu_fwd(x, weight, pos_in_doc, halo)

@@ -46,7 +46,8 @@ def _pre_activation(x_row, w, pos_row, o_t, o_d, m_d, T, C, W: tl.constexpr, HAS
 
 @triton.jit
 def _fwd_kernel(x, w, pos, y, T, C, W: tl.constexpr, HAS_POS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # tiles on the grid's first axis: CUDA allows 2^31 - 1 there, 65,535 on the others (1M tokens at BT = 16)
+    i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)  # token * C passes 2^31 past T = 256K at 8,192 channels
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < C
@@ -113,6 +114,16 @@ _SPLIT_QUANTUM = max(c.kwargs["BT"] for c in _CONFIGS)
 _MAX_SPLITS = 256
 
 
+def _check(x: Tensor, weight: Tensor, pos_in_doc: Tensor | None) -> None:
+    """The layout the kernels index: x [B, T, C] contiguous, weight [C, W], positions [B, T] on x's device."""
+    if not x.is_contiguous() or x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[2]:
+        raise ValueError(f"causal_conv Triton kernels: x {tuple(x.shape)} (contiguous: {x.is_contiguous()}) and "
+                         f"weight {tuple(weight.shape)} are not [B, T, C] contiguous and [C, W]")
+    if pos_in_doc is not None and (pos_in_doc.shape != x.shape[:2] or pos_in_doc.device != x.device):
+        raise ValueError(f"causal_conv Triton kernels: pos_in_doc {tuple(pos_in_doc.shape)} on "
+                         f"{pos_in_doc.device} is not x's [B, T] {tuple(x.shape[:2])} on {x.device}")
+
+
 def _launch(tuned, kernel, config: dict | None, grid, *args, **meta) -> None:
     if config is None:
         tuned[grid](*args, **meta)
@@ -124,11 +135,12 @@ def causal_conv_silu_fwd_triton(x: Tensor, weight: Tensor, pos_in_doc: Tensor | 
                                 config: dict | None = None) -> Tensor:
     """silu(conv) of x [B, T, C] (contiguous) with weight [C, W]; pos_in_doc [B, T] or None. Output in x's dtype.
     `config` ({"BT", "BD", "num_warps"}) skips autotuning."""
+    _check(x, weight, pos_in_doc)
     bsz, seqlen, ch = x.shape
     y = torch.empty_like(x)
     w = weight.contiguous()
     pos = x if pos_in_doc is None else pos_in_doc.contiguous()  # a dummy pointer without positions
-    _launch(_fwd_tuned, _fwd_kernel, config, lambda m: (triton.cdiv(ch, m["BD"]), triton.cdiv(seqlen, m["BT"]), bsz),
+    _launch(_fwd_tuned, _fwd_kernel, config, lambda m: (triton.cdiv(seqlen, m["BT"]), triton.cdiv(ch, m["BD"]), bsz),
             x, w, pos, y, seqlen, ch, W=w.shape[1], HAS_POS=pos_in_doc is not None)
     return y
 
@@ -137,6 +149,7 @@ def causal_conv_silu_bwd_triton(dy: Tensor, x: Tensor, weight: Tensor, pos_in_do
                                 config: dict | None = None) -> tuple[Tensor, Tensor]:
     """(dx in x's dtype, dw [C, W] in FP32): per-program dw partial sums, then one sum over them (no atomics, so the
     result does not depend on the schedule)."""
+    _check(x, weight, pos_in_doc)
     bsz, seqlen, ch = x.shape
     w = weight.contiguous()
     kernel = w.shape[1]
@@ -144,6 +157,8 @@ def causal_conv_silu_bwd_triton(dy: Tensor, x: Tensor, weight: Tensor, pos_in_do
     pos = x if pos_in_doc is None else pos_in_doc.contiguous()
     tok = max(_SPLIT_QUANTUM, triton.next_power_of_2(triton.cdiv(seqlen, _MAX_SPLITS)))
     splits = triton.cdiv(seqlen, tok)
+    if config is not None and tok % config["BT"]:
+        raise ValueError(f"causal_conv_silu_bwd_triton: BT = {config['BT']} does not divide the {tok}-token ranges")
     dw_part = torch.empty(bsz * splits, kernel, ch, dtype=torch.float32, device=x.device)
     _launch(_bwd_tuned, _bwd_kernel, config, lambda m: (triton.cdiv(ch, m["BD"]), splits, bsz),
             x, w, pos, dy.contiguous(), dx, dw_part, seqlen, ch, splits, TOK=tok, W=kernel,

@@ -169,8 +169,9 @@ def _kda(t: _Terms, regime: str) -> None:
     if regime == "compiled":
         # the projections (the convs' inputs, which the conv op keeps, ops/causal_conv.py) and the convs' outputs
         # (q, k, v, which the KDA op keeps): AOTAutograd's partitioner does not recompute an opaque op, so compiled
-        # blocks keep both, as eager ones do
-        t.tok("kda", 2 * 3 * hk * a
+        # blocks keep both, as eager ones do. Under CP the convs are a checkpointed plain expression (their halo):
+        # the outputs are recomputed.
+        t.tok("kda", (1 if c.cp > 1 else 2) * 3 * hk * a
               + 4 * hk + 4 * hk * a  # decay (FP32); f_b, KDA output, g_b, o_norm output
               + 4 * h + h * a, heads=True)  # o_norm rsqrt, beta
         # f_a/g_a outputs; with document ids the convs' positions in the document (the op builds its tap masks)
