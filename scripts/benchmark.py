@@ -13,7 +13,8 @@ O(T^2) FP32 work per DSA layer) or over the selected pools (`--indexer-kl sparse
 linear in T). `--scope reference` drops the MTP layer and the indexer KL, the scope of the transformers figure in
 docs/performance.md (trunk + LM head + CE). AC `auto` picks selective up to T = 32K and full above. A run that runs
 out of memory prints a row marked OOM and the sweep goes on. A third field `fp8` in a run (`compiled:selective:fp8`)
-converts the model to the FP8 serving split first (`--float8-recipe`). `--profile` adds one profiled step per run and
+converts the model to the FP8 serving split first (`--float8-recipe`; `--float8-moe-experts off` keeps the routed
+experts BF16, and each row counts what was converted). `--profile` adds one profiled step per run and
 prints its CUDA kernels by total time (on CPU its CPU ops); `--memory-profile` (CUDA only) prints what is alive at
 each run's memory peak (or out-of-memory) by source line. `--recompute-modules kda,mhc` adds
 activation_checkpoint.recompute_modules to the selective runs (their AC column reads `selective+kda+mhc`). Prints one
@@ -275,7 +276,7 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
             weights: dict[str, torch.Tensor] | None = None, recompute_modules: tuple[str, ...] = (),
             dsa_dense_max_len: int | None = None, dsa_mask_query_chunk: int | None = None,
             dsa_mask_causal_rows: bool = True, memory_profile: bool = False, moe_chunk_tokens: int = 0,
-            offload_inputs: bool = False) -> dict:
+            offload_inputs: bool = False, float8_moe_experts: bool = True) -> dict:
     """One timed run of this repo's model; from `weights` (our names) when given, else from its own init."""
     args = model_args(flavor, scope=scope, tile_elements=tile_elements, dsa_dense_max_len=dsa_dense_max_len,
                       dsa_mask_query_chunk=dsa_mask_query_chunk, dsa_mask_causal_rows=dsa_mask_causal_rows)
@@ -289,8 +290,8 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
     if weights is not None:
         model.load_state_dict(weights, strict=True)
     model.to(dtype)
-    f8 = Float8Config(enable=float8 is not None, recipe=float8 or "tensorwise")
-    convert_float8(model, cfg=f8)  # the serving split, exactly as the trainer converts
+    f8 = Float8Config(enable=float8 is not None, recipe=float8 or "tensorwise", moe_experts=float8_moe_experts)
+    converted = convert_float8(model, cfg=f8)  # the serving split, exactly as the trainer converts
     configure_inductor_for_float8(cfg=f8)
     recompute_modules = recompute_modules if ac == "selective" else ()
     apply_activation_checkpointing(model, mode=ac, recompute_modules=recompute_modules,
@@ -340,7 +341,8 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
     ac_label = ac + "".join(f"+{m}" for m in recompute_modules) + ("+offload" if offloaded else "")
     result = dict(flavor=flavor, scope=scope, indexer_kl=indexer_kl if train_scope else None, seq_len=seq_len,
                   batch=batch, mode="compiled" if compiled else "eager",
-                  ac=ac_label, float8=float8 or "off",
+                  ac=ac_label, float8=float8 or "off", float8_linears=converted.converted_linears,
+                  float8_expert_weights=converted.grouped_expert_weights,
                   step_ms=round(timed["step_s"] * 1e3, 2), tokens_per_s=round(tps, 1),
                   peak_mem_gib=round(timed["peak"], 4), warmup_s=round(timed["warmup_s"], 1),
                   tflops=round(tps * flops_per_token(args, seq_len) / 1e12, 1), loss=timed["loss"],
@@ -399,6 +401,9 @@ def main() -> None:
                    help="activation_checkpoint.offload_inputs for the full-AC runs: their blocks' saved inputs in "
                         "pinned host memory")
     p.add_argument("--float8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+    p.add_argument("--float8-moe-experts", choices=["on", "off"], default="on",
+                   help="float8.moe_experts of the fp8 runs: off keeps the routed experts' grouped GEMMs in BF16 "
+                        "(what the dense projections' conversion alone gives)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--backend", default="inductor")
@@ -518,7 +523,8 @@ def main() -> None:
                             weights=weights, recompute_modules=recompute, dsa_dense_max_len=dense_max,
                             dsa_mask_query_chunk=mask_chunk, dsa_mask_causal_rows=a.dsa_mask_causal_rows == "on",
                             memory_profile=a.memory_profile,
-                            moe_chunk_tokens=a.moe_chunk_tokens, offload_inputs=a.offload_inputs)
+                            moe_chunk_tokens=a.moe_chunk_tokens, offload_inputs=a.offload_inputs,
+                            float8_moe_experts=a.float8_moe_experts == "on")
             except torch.cuda.OutOfMemoryError as e:
                 r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=ac,
                          float8=a.float8_recipe if fp8 else "off", moe_chunk_tokens=a.moe_chunk_tokens,
@@ -540,7 +546,10 @@ def main() -> None:
           f"peak GiB | warm-up s | loss{vs} |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
           + ("---|" if a.against else ""))
     for r in rows:
-        options = (f"{r['float8']} | {r.get('dsa_dense_max_len', '')} | {r.get('dsa_mask_query_chunk', '')} | "
+        f8 = r["float8"]
+        if r.get("float8_linears"):  # what was converted, counted from the model
+            f8 += f" ({r['float8_linears']} Linear, {r['float8_expert_weights']} expert weights)"
+        options = (f"{f8} | {r.get('dsa_dense_max_len', '')} | {r.get('dsa_mask_query_chunk', '')} | "
                    f"{r.get('moe_chunk_tokens', '')}")
         if "oom" in r:
             print(f"| {r['seq_len']:,} | {r['mode']} | {r['ac']} | {options} | OOM | | | | | |"

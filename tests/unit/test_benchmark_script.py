@@ -30,9 +30,24 @@ def test_benchmark_script_writes_one_row_per_run(tmp_path, scope):
         ("eager", "none", scope, "off", 0), ("eager", "selective+kda+mhc", scope, "tensorwise", 0),
         ("eager", "none", scope, "off", 64), ("eager", "selective+kda+mhc", scope, "tensorwise", 64)]
     assert all(r["tokens_per_s"] > 0 and r["step_ms"] > 0 for r in rows)
+    # what each row converted, counted from its model: nothing BF16; the serving split's Linears and the experts
+    assert [(r["float8_linears"] > 0, r["float8_expert_weights"] > 0) for r in rows] == [
+        (False, False), (True, True), (False, False), (True, True)]
     # the short-row dense kernel computes the sparse kernel's function: the same loss at init (fp32)
     assert rows[2]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-5)
     assert f"scope: {scope}" in proc.stdout
+
+
+def test_fp8_rows_can_keep_the_routed_experts_bf16(tmp_path):
+    """--float8-moe-experts off converts the serving split's Linears and leaves the grouped experts BF16, so FP8's
+    two parts can be timed apart; the table says what each row converted."""
+    out = tmp_path / "bench.json"
+    proc = _run("scripts/benchmark.py", "--flavor", "debug", "--seq-len", "32", "--steps", "1", "--warmup", "0",
+                "--runs", "eager:none:fp8", "--float8-moe-experts", "off", "--scope", "reference", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["float8"] == "tensorwise" and row["float8_linears"] > 0 and row["float8_expert_weights"] == 0
+    assert f"tensorwise ({row['float8_linears']} Linear, 0 expert weights)" in proc.stdout
 
 
 def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
