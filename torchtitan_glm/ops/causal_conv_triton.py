@@ -59,8 +59,8 @@ def _fwd_kernel(x, w, pos, y, T, C, W: tl.constexpr, HAS_POS: tl.constexpr, BT: 
 
 
 @triton.jit
-def _bwd_kernel(x, w, pos, dy, dx, dw_part, T, C, NS, TOK: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, HAS_POS: tl.constexpr,
-                BT: tl.constexpr, BD: tl.constexpr):
+def _bwd_kernel(x, w, pos, dy, dx, dw_part, T, C, NS, TOK: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
+                HAS_POS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """For the tokens [i_s TOK, (i_s + 1) TOK) of a row, in tiles of BT: dx_t = sum_j m_j(t+j) g_{t+j} w[:, W-1-j],
     with g = dy silu'(pre) recomputed for every token the tile's taps reach; and the range's share of
     dw[:, W-1-j] = sum_t m_j(t) g_t x_{t-j}, one [W, BD] partial sum per program."""
