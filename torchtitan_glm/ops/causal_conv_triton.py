@@ -3,12 +3,15 @@
 Why hand-written: FLA's `causal_conv1d` restarts documents only through host-built `cu_seqlens`/chunk indices (a
 host sync where the ids live on the device) and its backward evaluates SiLU' on a pre-activation it first writes to
 memory in the input's dtype (BF16). These kernels mask a tap by the token's position in its document, read on the
-device, and the backward recomputes the FP32 pre-activation in registers, so nothing but dx and per-tile dw partial
-sums is written. (Against inductor's kernels for the plain expression the compiled proxy KDA block moved within
-the machines' noise on an H100; the eager block went from 66 to 33 ms: docs/performance.md, twenty-second session.)
+device, and the backward recomputes the FP32 pre-activation in registers, so nothing but dx and per-program dw
+partial sums is written. (Against inductor's kernels for the plain expression the compiled proxy KDA block moved
+within the machines' noise on an H100; the eager block went from 66 to 33 ms: docs/performance.md, twenty-second
+session.)
 
 A forward program covers BT tokens x BD channels of one row, a backward program a range of such tiles (its dw
-partial sum stays in registers); the W shifted reads of each token hit L1/L2.
+partial sum stays in registers); the W shifted reads of each token hit L1/L2. The backward recomputes the
+pre-activation of each of the W tokens a tap reaches, W^2 loads per tile where a sliding window would need W: the
+loads hit cache, and the kernel is not compute-bound; it has not been profiled.
 """
 
 from __future__ import annotations
