@@ -169,20 +169,23 @@ def test_custom_ops_pass_opcheck():
 _INTERPRET_SCRIPT = textwrap.dedent("""
     import torch
     from torchtitan_glm.ops.causal_conv import causal_conv_silu_reference, causal_conv_silu_reference_bwd
-    from torchtitan_glm.ops.causal_conv_triton import (_CONFIGS, causal_conv_silu_bwd_triton,
+    from torchtitan_glm.ops.causal_conv_triton import (_BWD_CONFIGS, _FWD_CONFIGS, causal_conv_silu_bwd_triton,
                                                        causal_conv_silu_fwd_triton)
     from tests.unit.test_causal_conv import _case
 
     # every config (the autotuner needs a GPU); T not a multiple of any config's BT, C not one of BD; documents
-    # and none; kernel widths 4 and 2
+    # and none; kernel widths 4, 3, 2 and 1
     cases = [(70, 200, 4, True, torch.float32), (70, 200, 4, False, torch.float32), (33, 130, 2, True, torch.float32),
-             (70, 200, 4, True, torch.bfloat16)]
-    for (seqlen, ch, kernel, docs, dtype), c in [(case, c) for case in cases for c in _CONFIGS]:
-        config = dict(c.kwargs, num_warps=c.num_warps)
+             (70, 200, 4, True, torch.bfloat16), (37, 72, 3, True, torch.float32), (21, 40, 1, True, torch.float32)]
+    configs = [dict(f.kwargs, num_warps=f.num_warps) for f in _FWD_CONFIGS]
+    bwd_configs = [dict(b.kwargs, num_warps=b.num_warps) for b in _BWD_CONFIGS]
+    configs = [(configs[i % len(configs)], bwd_configs[i % len(bwd_configs)])
+               for i in range(max(len(configs), len(bwd_configs)))]
+    for (seqlen, ch, kernel, docs, dtype), (config, bwd_config) in [(case, c) for case in cases for c in configs]:
         x, w, pos, _ = _case(7, bsz=2, seqlen=seqlen, ch=ch, kernel=kernel, docs=docs, dtype=dtype)
         dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(8)).to(dtype)
         y = causal_conv_silu_fwd_triton(x, w, pos, config=config)
-        dx, dw = causal_conv_silu_bwd_triton(dy, x, w, pos, config=config)
+        dx, dw = causal_conv_silu_bwd_triton(dy, x, w, pos, config=bwd_config)
         y_ref = causal_conv_silu_reference(x, w, pos, None)
         dx_ref, dw_ref, _ = causal_conv_silu_reference_bwd(dy, x, w, pos, None)
         # FP32: the sums' order and FMA contraction; BF16: one rounding of the output
@@ -193,16 +196,17 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
         assert y.dtype == dx.dtype == dtype and dw.dtype == torch.float32 and dw.shape == w.shape
     # one backward program over a whole row of several tiles (as at long T, where a program takes 128+ tokens)
     import torchtitan_glm.ops.causal_conv_triton as kernels
-    kernels._MAX_SPLITS = 1
+    max_splits, kernels._MAX_SPLITS = kernels._MAX_SPLITS, 1
     x, w, pos, _ = _case(9, bsz=2, seqlen=150, ch=70)
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(8))
-    dx, dw = causal_conv_silu_bwd_triton(dy, x, w, pos, config=dict(BT=32, BD=128, num_warps=4))
+    dx, dw = causal_conv_silu_bwd_triton(dy, x, w, pos, config=dict(BT=16, BD=128, num_warps=4))
     dx_ref, dw_ref, _ = causal_conv_silu_reference_bwd(dy, x, w, pos, None)
     torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dw, dw_ref, rtol=1e-5, atol=1e-4 * float(dw_ref.abs().max()))
-    kernels._MAX_SPLITS = 256  # 64-token ranges again at this T
+    kernels._MAX_SPLITS = max_splits
     for bad in (lambda: causal_conv_silu_fwd_triton(x.transpose(1, 2).contiguous().transpose(1, 2), w, pos),
                 lambda: causal_conv_silu_fwd_triton(x, w, pos[:1]),
+                lambda: causal_conv_silu_fwd_triton(x, torch.randn(x.shape[-1], kernels.MAX_TAPS + 1), pos),
                 lambda: causal_conv_silu_bwd_triton(dy, x, w, pos, config=dict(BT=128, BD=128, num_warps=4))):
         try:
             bad()
@@ -218,3 +222,17 @@ def test_triton_kernels_under_interpreter():
     """The Triton forward and backward against the torch reference, run by Triton's CPU interpreter."""
     res = run_interpreted("-c", _INTERPRET_SCRIPT)
     assert res.returncode == 0 and "TRITON_INTERPRET_OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_convs_wider_than_the_kernels_take_the_reference():
+    """The Triton kernels unroll four taps: a five-tap conv, a halo or positions of another shape take the torch
+    reference on CUDA too (the decision alone; tests/gpu/test_causal_conv_cuda.py runs both paths)."""
+    from torchtitan_glm.ops.causal_conv import _use_triton
+    from torchtitan_glm.ops.causal_conv_triton import MAX_TAPS
+
+    x, w, pos, halo = _case(3, slots=1)
+    assert MAX_TAPS == 4 and _use_triton(x, w, pos, None) and _use_triton(x, w, None, None)
+    assert not _use_triton(x, torch.randn(x.shape[-1], MAX_TAPS + 1), pos, None)
+    assert not _use_triton(x, w, pos, halo)
+    assert not _use_triton(x, w, pos[:1], None)

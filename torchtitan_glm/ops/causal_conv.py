@@ -115,10 +115,13 @@ def causal_conv_silu_reference_bwd(grad_out: Tensor, x: Tensor, weight: Tensor, 
 # ---------------------------------------------------------------------------------------------
 
 
-def _use_triton(x: Tensor, pos_in_doc: Tensor | None, halo: Tensor | None) -> bool:
-    """The Triton kernels take one slot per row (no halo), the float dtypes Triton loads, and positions of x's
-    [B, T] on x's device (the reference also broadcasts them)."""
+def _use_triton(x: Tensor, weight: Tensor, pos_in_doc: Tensor | None, halo: Tensor | None) -> bool:
+    """The Triton kernels take one slot per row (no halo), the float dtypes Triton loads, up to four taps, and
+    positions of x's [B, T] on x's device (the reference also broadcasts them)."""
+    from .causal_conv_triton import MAX_TAPS
+
     return halo is None and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and (
+        weight.shape[-1] <= MAX_TAPS) and (
         pos_in_doc is None or (pos_in_doc.shape == x.shape[:2] and pos_in_doc.device == x.device))
 
 
@@ -132,7 +135,7 @@ def causal_conv_silu_fwd(x: Tensor, weight: Tensor, pos_in_doc: Tensor | None, h
 @causal_conv_silu_fwd.register_kernel("cuda")
 def _fwd_cuda(x, weight, pos_in_doc, halo):
     with torch.cuda.device(x.device), torch.autocast("cuda", enabled=False):
-        if _use_triton(x, pos_in_doc, halo):
+        if _use_triton(x, weight, pos_in_doc, halo):
             from .causal_conv_triton import causal_conv_silu_fwd_triton
 
             return causal_conv_silu_fwd_triton(x.contiguous(), weight, pos_in_doc)
@@ -156,7 +159,7 @@ def causal_conv_silu_bwd(grad_out: Tensor, x: Tensor, weight: Tensor, pos_in_doc
 @causal_conv_silu_bwd.register_kernel("cuda")
 def _bwd_cuda(grad_out, x, weight, pos_in_doc, halo):
     with torch.cuda.device(x.device), torch.autocast("cuda", enabled=False):
-        if _use_triton(x, pos_in_doc, halo):
+        if _use_triton(x, weight, pos_in_doc, halo):
             from .causal_conv_triton import causal_conv_silu_bwd_triton
 
             dx, dw = causal_conv_silu_bwd_triton(grad_out, x.contiguous(), weight, pos_in_doc)

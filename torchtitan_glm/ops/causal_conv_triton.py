@@ -8,10 +8,13 @@ partial sums is written. (Against inductor's kernels for the plain expression th
 within the machines' noise on an H100; the eager block went from 66 to 33 ms: docs/performance.md, twenty-second
 session.)
 
-A forward program covers BT tokens x BD channels of one row, a backward program a range of such tiles (its dw
-partial sum stays in registers); the W shifted reads of each token hit L1/L2. The backward recomputes the
-pre-activation of each of the W tokens a tap reaches, W^2 loads per tile where a sliding window would need W: the
-loads hit cache, and the kernel is not compute-bound; it has not been profiled.
+A forward program covers BT tokens x BD channels of one row. A backward program takes a range of such tiles; per tile
+it loads the seven rows x_{t-3} .. x_{t+3} and dy_t .. dy_{t+3} once each, recomputes the pre-activation of t .. t+3
+from them, and adds g_t x_{t-i} into four [BT, BD] FP32 dw accumulators, reduced once at the range's end. Four taps
+at most (the model's conv has four); wider convs take the torch reference. On an H100 at one proxy conv (T = 8,192,
+8,192 channels, BF16) the backward takes 0.48 ms, against 0.90 ms for the previous kernel (W^2 loads per tile, 64-bit
+offsets per element, 880 bytes of register spills); FLA's backward kernel took 0.43 ms a call in the stock layer's
+profile (`scripts/bench_causal_conv.py`, `scripts/bench_kda.py --profile`; docs/performance.md, twenty-third session).
 """
 
 from __future__ import annotations
@@ -23,105 +26,175 @@ from torch import Tensor
 
 __all__ = ["causal_conv_silu_fwd_triton", "causal_conv_silu_bwd_triton"]
 
-_CONFIGS = [
+_FWD_CONFIGS = [
     triton.Config({"BT": bt, "BD": bd}, num_warps=w)
     for bt, bd, w in [(32, 128, 4), (64, 128, 8), (16, 256, 4), (64, 64, 4)]
 ]
+# 16 elements of a [BT, BD] tile per thread: the backward keeps about a dozen such tiles live
+_BWD_CONFIGS = [
+    triton.Config({"BT": bt, "BD": bd}, num_warps=w)
+    for bt, bd, w in [(16, 128, 4), (32, 128, 8), (16, 256, 8), (8, 256, 4)]
+]
+MAX_TAPS = 4  # the backward unrolls up to four taps; wider convs take the torch reference
 
 
 @triton.jit
-def _pre_activation(x_row, w, pos_row, o_t, o_d, m_d, T, C, W: tl.constexpr, HAS_POS: tl.constexpr):
-    """sum_j m_j(t) x_{t-j} w[:, W-1-j] in FP32 for the tokens o_t (m_j: t - j in t's document and in the row),
-    summed in the torch reference's order (tap 0 first)."""
-    m_t = (o_t >= 0) & (o_t < T)
+def _rows(base, t0, d: tl.constexpr, off, o_r, m_d, T, C):
+    """[BT, BD] FP32: rows t0 + d + o_r of the [T, C] block at base (a row's start), zero outside [0, T)."""
+    t = t0 + d + o_r
+    ok = (t >= 0) & (t < T)
+    return tl.load(base + (t0 + d).to(tl.int64) * C + off, mask=ok[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _tap_weight(w, o_d, m_d, i: tl.constexpr, W: tl.constexpr):
+    """[BD] FP32 weight of tap i, the one reading x_{t-i}: w[:, W-1-i]; zero past the conv's W taps."""
+    if i < W:
+        return tl.load(w + o_d * W + (W - 1 - i), mask=m_d, other=0.0).to(tl.float32)
+    else:
+        return tl.zeros(o_d.shape, dtype=tl.float32)
+
+
+@triton.jit
+def _pre4(x0, x1, x2, x3, pos, w0, w1, w2, w3, HAS_POS: tl.constexpr):
+    """The pre-activation of tokens s from x_s .. x_{s-3} (tap i masked where pos_s < i), in FP32, summed in the
+    torch reference's order (tap 0 first)."""
+    acc = tl.zeros(x0.shape, dtype=tl.float32)
+    acc += x0 * w0[None, :]
     if HAS_POS:
-        pos = tl.load(pos_row + o_t, mask=m_t, other=0)
-    acc = tl.zeros((o_t.shape[0], o_d.shape[0]), dtype=tl.float32)
-    for j in tl.static_range(W):
-        m = m_t & (o_t - j >= 0)
-        if HAS_POS:
-            m = m & (pos >= j)
-        xj = tl.load(x_row + (o_t - j)[:, None] * C + o_d[None, :], mask=m[:, None] & m_d[None, :], other=0.0)
-        wj = tl.load(w + o_d * W + (W - 1 - j), mask=m_d, other=0.0).to(tl.float32)
-        acc += xj.to(tl.float32) * wj[None, :]
+        acc += tl.where((pos >= 1)[:, None], x1, 0.0) * w1[None, :]
+        acc += tl.where((pos >= 2)[:, None], x2, 0.0) * w2[None, :]
+        acc += tl.where((pos >= 3)[:, None], x3, 0.0) * w3[None, :]
+    else:
+        acc += x1 * w1[None, :]
+        acc += x2 * w2[None, :]
+        acc += x3 * w3[None, :]
     return acc
+
+
+@triton.jit
+def _silu_grad(pre, dy):
+    """dy silu'(pre), FP32."""
+    sig = tl.sigmoid(pre)
+    return dy * (sig * (1 + pre * (1 - sig)))
 
 
 @triton.jit
 def _fwd_kernel(x, w, pos, y, T, C, W: tl.constexpr, HAS_POS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     # tiles on the grid's first axis: CUDA allows 2^31 - 1 there, 65,535 on the others (1M tokens at BT = 16)
     i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)  # token * C passes 2^31 past T = 256K at 8,192 channels
+    o_r = tl.arange(0, BT)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < C
+    off = o_r[:, None] * C + o_d[None, :]  # int32 within a tile; the tile's start is an int64 scalar
     row = i_b.to(tl.int64) * T * C
-    pre = _pre_activation(x + row, w, pos + i_b.to(tl.int64) * T, o_t, o_d, m_d, T, C, W, HAS_POS)
+    t0 = i_t * BT
+    t = t0 + o_r
+    pos_t = t
+    if HAS_POS:
+        pos_t = tl.load(pos + i_b.to(tl.int64) * T + t, mask=t < T, other=0)
+    pre = _pre4(_rows(x + row, t0, 0, off, o_r, m_d, T, C), _rows(x + row, t0, -1, off, o_r, m_d, T, C),
+                _rows(x + row, t0, -2, off, o_r, m_d, T, C), _rows(x + row, t0, -3, off, o_r, m_d, T, C), pos_t,
+                _tap_weight(w, o_d, m_d, 0, W), _tap_weight(w, o_d, m_d, 1, W), _tap_weight(w, o_d, m_d, 2, W),
+                _tap_weight(w, o_d, m_d, 3, W), HAS_POS)
     out = pre * tl.sigmoid(pre)
-    tl.store(y + row + o_t[:, None] * C + o_d[None, :], out.to(y.dtype.element_ty),
-             mask=(o_t < T)[:, None] & m_d[None, :])
+    tl.store(y + row + t0.to(tl.int64) * C + off, out.to(y.dtype.element_ty), mask=(t < T)[:, None] & m_d[None, :])
 
 
 @triton.jit
-def _bwd_kernel(x, w, pos, dy, dx, dw_part, T, C, NS, TOK: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
-                HAS_POS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """For the tokens [i_s TOK, (i_s + 1) TOK) of a row, in tiles of BT: dx_t = sum_j m_j(t+j) g_{t+j} w[:, W-1-j],
-    with g = dy silu'(pre) recomputed for every token the tile's taps reach; and the range's share of
-    dw[:, W-1-j] = sum_t m_j(t) g_t x_{t-j}, one [W, BD] partial sum per program."""
+def _bwd_kernel(x, w, pos, dy, dx, dw_part, T, C, NS, TOK: tl.constexpr, W: tl.constexpr, HAS_POS: tl.constexpr,
+                BT: tl.constexpr, BD: tl.constexpr):
+    """For the tokens [i_s TOK, (i_s + 1) TOK) of a row, in tiles of BT: dx_t = sum_j m_j(t+j) g_{t+j} w[:, W-1-j]
+    with g = dy silu'(pre), the pre-activation of t .. t+3 recomputed from the seven rows x_{t-3} .. x_{t+3}, each
+    loaded once; and the range's share of dw[:, W-1-i] = sum_t m_i(t) g_t x_{t-i}, summed over the range in
+    registers and written as one [W, BD] partial sum per program."""
     i_d, i_s, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_r = tl.arange(0, BT)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < C
-    o_w = tl.arange(0, BW)
+    off = o_r[:, None] * C + o_d[None, :]
     row = i_b.to(tl.int64) * T * C
-    x_row, pos_row = x + row, pos + i_b.to(tl.int64) * T
-    dw_acc = tl.zeros((BW, BD), dtype=tl.float32)
+    xb, dyb, pb = x + row, dy + row, pos + i_b.to(tl.int64) * T
+    w0, w1 = _tap_weight(w, o_d, m_d, 0, W), _tap_weight(w, o_d, m_d, 1, W)
+    w2, w3 = _tap_weight(w, o_d, m_d, 2, W), _tap_weight(w, o_d, m_d, 3, W)
+    dw0 = tl.zeros((BT, BD), dtype=tl.float32)
+    dw1 = tl.zeros((BT, BD), dtype=tl.float32)
+    dw2 = tl.zeros((BT, BD), dtype=tl.float32)
+    dw3 = tl.zeros((BT, BD), dtype=tl.float32)
     for it in range(0, TOK // BT):  # the last range's tiles past T are masked out
-        o_t = (i_s * TOK + it * BT + tl.arange(0, BT)).to(tl.int64)
-        acc = tl.zeros((BT, BD), dtype=tl.float32)
-        g0 = tl.zeros((BT, BD), dtype=tl.float32)
-        for j in tl.static_range(W):
-            s = o_t + j  # the token whose tap j reads x_t
-            m_s = s < T
-            pre = _pre_activation(x_row, w, pos_row, s, o_d, m_d, T, C, W, HAS_POS)
-            dys = tl.load(dy + row + s[:, None] * C + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
-            sig = tl.sigmoid(pre)
-            g = dys.to(tl.float32) * (sig * (1 + pre * (1 - sig)))
-            if j == 0:
-                g0 = g
-            keep = m_s
-            if HAS_POS:
-                keep = keep & (tl.load(pos_row + s, mask=m_s, other=0) >= j)
-            wj = tl.load(w + o_d * W + (W - 1 - j), mask=m_d, other=0.0).to(tl.float32)
-            acc += tl.where(keep[:, None], g, 0.0) * wj[None, :]
-        m_t = o_t < T
-        tl.store(dx + row + o_t[:, None] * C + o_d[None, :], acc.to(dx.dtype.element_ty),
-                 mask=m_t[:, None] & m_d[None, :])
+        t0 = i_s * TOK + it * BT
+        t = t0 + o_r
+        p0, p1, p2, p3 = t, t, t, t
+        if HAS_POS:  # p_j: the position in its document of token t + j
+            p0 = tl.load(pb + t, mask=t < T, other=0)
+            p1 = tl.load(pb + t + 1, mask=t + 1 < T, other=0)
+            p2 = tl.load(pb + t + 2, mask=t + 2 < T, other=0)
+            p3 = tl.load(pb + t + 3, mask=t + 3 < T, other=0)
+        xm3 = _rows(xb, t0, -3, off, o_r, m_d, T, C)
+        xm2 = _rows(xb, t0, -2, off, o_r, m_d, T, C)
+        xm1 = _rows(xb, t0, -1, off, o_r, m_d, T, C)
+        x0 = _rows(xb, t0, 0, off, o_r, m_d, T, C)
+        g = _silu_grad(_pre4(x0, xm1, xm2, xm3, p0, w0, w1, w2, w3, HAS_POS), _rows(dyb, t0, 0, off, o_r, m_d, T, C))
+        acc = g * w0[None, :]
+        dw0 += g * x0
         if HAS_POS:
-            pos_t = tl.load(pos_row + o_t, mask=m_t, other=0)
-        for j in tl.static_range(W):
-            m = m_t & (o_t - j >= 0)
+            dw1 += g * tl.where((p0 >= 1)[:, None], xm1, 0.0)
+            dw2 += g * tl.where((p0 >= 2)[:, None], xm2, 0.0)
+            dw3 += g * tl.where((p0 >= 3)[:, None], xm3, 0.0)
+        else:
+            dw1 += g * xm1
+            dw2 += g * xm2
+            dw3 += g * xm3
+        if W > 1:
+            x1 = _rows(xb, t0, 1, off, o_r, m_d, T, C)
+            g = _silu_grad(_pre4(x1, x0, xm1, xm2, p1, w0, w1, w2, w3, HAS_POS),
+                           _rows(dyb, t0, 1, off, o_r, m_d, T, C))
             if HAS_POS:
-                m = m & (pos_t >= j)
-            xj = tl.load(x_row + (o_t - j)[:, None] * C + o_d[None, :], mask=m[:, None] & m_d[None, :], other=0.0)
-            tap = tl.sum(g0 * xj.to(tl.float32), axis=0)
-            dw_acc += tl.where(o_w[:, None] == W - 1 - j, tap[None, :], 0.0)
-    part = dw_part + ((i_b * NS + i_s).to(tl.int64) * W) * C
-    tl.store(part + o_w[:, None] * C + o_d[None, :], dw_acc, mask=(o_w < W)[:, None] & m_d[None, :])
+                g = tl.where((p1 >= 1)[:, None], g, 0.0)
+            acc += g * w1[None, :]
+            if W > 2:
+                x2 = _rows(xb, t0, 2, off, o_r, m_d, T, C)
+                g = _silu_grad(_pre4(x2, x1, x0, xm1, p2, w0, w1, w2, w3, HAS_POS),
+                               _rows(dyb, t0, 2, off, o_r, m_d, T, C))
+                if HAS_POS:
+                    g = tl.where((p2 >= 2)[:, None], g, 0.0)
+                acc += g * w2[None, :]
+                if W > 3:
+                    x3 = _rows(xb, t0, 3, off, o_r, m_d, T, C)
+                    g = _silu_grad(_pre4(x3, x2, x1, x0, p3, w0, w1, w2, w3, HAS_POS),
+                                   _rows(dyb, t0, 3, off, o_r, m_d, T, C))
+                    if HAS_POS:
+                        g = tl.where((p3 >= 3)[:, None], g, 0.0)
+                    acc += g * w3[None, :]
+        tl.store(dx + row + t0.to(tl.int64) * C + off, acc.to(dx.dtype.element_ty),
+                 mask=(t < T)[:, None] & m_d[None, :])
+    part = dw_part + ((i_b * NS + i_s).to(tl.int64) * W) * C + o_d
+    tl.store(part + (W - 1) * C, tl.sum(dw0, axis=0), mask=m_d)
+    if W > 1:
+        tl.store(part + (W - 2) * C, tl.sum(dw1, axis=0), mask=m_d)
+    if W > 2:
+        tl.store(part + (W - 3) * C, tl.sum(dw2, axis=0), mask=m_d)
+    if W > 3:
+        tl.store(part + (W - 4) * C, tl.sum(dw3, axis=0), mask=m_d)
 
 
-_fwd_tuned = triton.autotune(_CONFIGS, key=["C", "W"])(_fwd_kernel)
-_bwd_tuned = triton.autotune(_CONFIGS, key=["C", "W"])(_bwd_kernel)
+_fwd_tuned = triton.autotune(_FWD_CONFIGS, key=["C", "W"])(_fwd_kernel)
+_bwd_tuned = triton.autotune(_BWD_CONFIGS, key=["C", "W"])(_bwd_kernel)
 # The backward's programs each take a range of whole tiles: a power of two, a multiple of every config's BT (a
-# compile-time constant, so few distinct values), and at most _MAX_SPLITS ranges per row, so the FP32 dw partial
-# sums stay small (32 MiB at 8,192 channels; one per tile was 1 GiB at T = 128K).
-_SPLIT_QUANTUM = max(c.kwargs["BT"] for c in _CONFIGS)
-_MAX_SPLITS = 256
+# compile-time constant, so few distinct values), and at most _MAX_SPLITS ranges per row. Fewer, longer ranges pay
+# each program's set-up and final reduction over more tiles: at T = 8,192 on an H100, 32 ranges took 0.48 ms, 256
+# took 0.76 ms (8 took 0.47 ms); the FP32 dw partial sums are 4 MiB at 8,192 channels.
+_SPLIT_QUANTUM = max(c.kwargs["BT"] for c in _BWD_CONFIGS)
+_MAX_SPLITS = 32
 
 
 def _check(x: Tensor, weight: Tensor, pos_in_doc: Tensor | None) -> None:
-    """The layout the kernels index: x [B, T, C] contiguous, weight [C, W], positions [B, T] on x's device."""
-    if not x.is_contiguous() or x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[2]:
+    """The layout the kernels index: x [B, T, C] contiguous, weight [C, W <= MAX_TAPS], positions [B, T] on x's
+    device."""
+    if (not x.is_contiguous() or x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[2]
+            or not 1 <= weight.shape[1] <= MAX_TAPS):
         raise ValueError(f"causal_conv Triton kernels: x {tuple(x.shape)} (contiguous: {x.is_contiguous()}) and "
-                         f"weight {tuple(weight.shape)} are not [B, T, C] contiguous and [C, W]")
+                         f"weight {tuple(weight.shape)} are not [B, T, C] contiguous and [C, W] with W <= {MAX_TAPS}")
     if pos_in_doc is not None and (pos_in_doc.shape != x.shape[:2] or pos_in_doc.device != x.device):
         raise ValueError(f"causal_conv Triton kernels: pos_in_doc {tuple(pos_in_doc.shape)} on "
                          f"{pos_in_doc.device} is not x's [B, T] {tuple(x.shape[:2])} on {x.device}")
@@ -165,5 +238,5 @@ def causal_conv_silu_bwd_triton(dy: Tensor, x: Tensor, weight: Tensor, pos_in_do
     dw_part = torch.empty(bsz * splits, kernel, ch, dtype=torch.float32, device=x.device)
     _launch(_bwd_tuned, _bwd_kernel, config, lambda m: (triton.cdiv(ch, m["BD"]), splits, bsz),
             x, w, pos, dy.contiguous(), dx, dw_part, seqlen, ch, splits, TOK=tok, W=kernel,
-            BW=triton.next_power_of_2(kernel), HAS_POS=pos_in_doc is not None)
+            HAS_POS=pos_in_doc is not None)
     return dx, dw_part.sum(0).t().contiguous()
