@@ -80,6 +80,17 @@ def _silu_grad(pre, dy):
 
 
 @triton.jit
+def _tap_grad(dyb, t0, j: tl.constexpr, xs0, xs1, xs2, xs3, pos, w0, w1, w2, w3, off, o_r, m_d, T, C,
+              HAS_POS: tl.constexpr):
+    """[BT, BD] g_s = dy_s silu'(pre_s) of the tokens s = t + j (x_s .. x_{s-3} given), zero where tap j of s does
+    not reach x_t (pos_s < j): dx_t's term through tap j, before its weight."""
+    g = _silu_grad(_pre4(xs0, xs1, xs2, xs3, pos, w0, w1, w2, w3, HAS_POS), _rows(dyb, t0, j, off, o_r, m_d, T, C))
+    if HAS_POS:
+        g = tl.where((pos >= j)[:, None], g, 0.0)
+    return g
+
+
+@triton.jit
 def _fwd_kernel(x, w, pos, y, T, C, W: tl.constexpr, HAS_POS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     # tiles on the grid's first axis: CUDA allows 2^31 - 1 there, 65,535 on the others (1M tokens at BT = 16)
     i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -147,24 +158,15 @@ def _bwd_kernel(x, w, pos, dy, dx, dw_part, T, C, NS, TOK: tl.constexpr, W: tl.c
             dw3 += g * xm3
         if W > 1:
             x1 = _rows(xb, t0, 1, off, o_r, m_d, T, C)
-            g = _silu_grad(_pre4(x1, x0, xm1, xm2, p1, w0, w1, w2, w3, HAS_POS),
-                           _rows(dyb, t0, 1, off, o_r, m_d, T, C))
-            if HAS_POS:
-                g = tl.where((p1 >= 1)[:, None], g, 0.0)
+            g = _tap_grad(dyb, t0, 1, x1, x0, xm1, xm2, p1, w0, w1, w2, w3, off, o_r, m_d, T, C, HAS_POS)
             acc += g * w1[None, :]
             if W > 2:
                 x2 = _rows(xb, t0, 2, off, o_r, m_d, T, C)
-                g = _silu_grad(_pre4(x2, x1, x0, xm1, p2, w0, w1, w2, w3, HAS_POS),
-                               _rows(dyb, t0, 2, off, o_r, m_d, T, C))
-                if HAS_POS:
-                    g = tl.where((p2 >= 2)[:, None], g, 0.0)
+                g = _tap_grad(dyb, t0, 2, x2, x1, x0, xm1, p2, w0, w1, w2, w3, off, o_r, m_d, T, C, HAS_POS)
                 acc += g * w2[None, :]
                 if W > 3:
                     x3 = _rows(xb, t0, 3, off, o_r, m_d, T, C)
-                    g = _silu_grad(_pre4(x3, x2, x1, x0, p3, w0, w1, w2, w3, HAS_POS),
-                                   _rows(dyb, t0, 3, off, o_r, m_d, T, C))
-                    if HAS_POS:
-                        g = tl.where((p3 >= 3)[:, None], g, 0.0)
+                    g = _tap_grad(dyb, t0, 3, x3, x2, x1, x0, p3, w0, w1, w2, w3, off, o_r, m_d, T, C, HAS_POS)
                     acc += g * w3[None, :]
         tl.store(dx + row + t0.to(tl.int64) * C + off, acc.to(dx.dtype.element_ty),
                  mask=(t < T)[:, None] & m_d[None, :])
