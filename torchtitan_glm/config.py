@@ -533,7 +533,8 @@ class CheckpointConfig(_Section):
     serving or evaluation: a 7.95 B-parameter proxy's FP32 DCP state is ~47 GB, its BF16 export 16 GB);
     export_dtype: dtype of HF exports;
     export_fp8: the HF export uses the released FP8 layout (E4M3 + 128x128 block scales for what float8.keep_bf16
-    does not keep, modules_to_not_convert for the rest) for serving;
+    does not keep, modules_to_not_convert for the rest) for serving: the routed experts are E4M3 there, as serving
+    runs them, whether or not float8.moe_experts trained them in FP8;
     load_step: the checkpoint step to resume from (-1: the newest one that verifies; a corrupt or incomplete newer
     one is reported and skipped).
     """

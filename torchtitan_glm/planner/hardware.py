@@ -23,6 +23,8 @@ class GpuSpec:
     gemm_grouped_bf16: float  # measured MoE grouped GEMM (proxy profile)
     fp8_speedup_tensorwise: float  # measured Float8 MLP speed-up over BF16 (torchao, compiled)
     fp8_speedup_rowwise: float
+    fp8_speedup_grouped: float  # measured torchao FP8 rowwise grouped GEMM kernels over BF16's, casts not counted
+    fp8_cast_efficiency: float  # measured torchao scale-and-cast kernels' bytes per second, a fraction of HBM's
     gemm_fp32: float  # measured FP32 (SIMT) GEMM: the indexer scores and KL target run in FP32
     attention_masked: float  # measured dense masked attention (cuDNN, boolean mask), FLOP/s over all T x T pairs
     attention_sparse: float  # measured: the sparse absorbed-MLA Triton kernels, FLOP/s over the T x K gathered pairs
@@ -55,7 +57,9 @@ class GpuSpec:
             "(the trainer's MFU denominator)",
             f"measured: BF16 GEMM {self.gemm_bf16 / 1e12:.0f} TFLOP/s, MoE grouped GEMM "
             f"{self.gemm_grouped_bf16 / 1e12:.0f} TFLOP/s, FP8 speed-up x{self.fp8_speedup_tensorwise} tensorwise / "
-            f"x{self.fp8_speedup_rowwise} rowwise, FP32 GEMM {self.gemm_fp32 / 1e12:.0f} TFLOP/s, masked attention "
+            f"x{self.fp8_speedup_rowwise} rowwise (Float8Linear MLP), routed experts' FP8 grouped GEMM kernels "
+            f"x{self.fp8_speedup_grouped} with their casts at {self.fp8_cast_efficiency:.0%} of HBM speed (an H100's), "
+            f"FP32 GEMM {self.gemm_fp32 / 1e12:.0f} TFLOP/s, masked attention "
             f"{self.attention_masked / 1e12:.0f} TFLOP/s (all T x T pairs), causal attention "
             f"{self.attention_causal / 1e12:.0f} TFLOP/s (causal pairs), sparse DSA attention "
             f"{self.attention_sparse / 1e12:.0f} TFLOP/s (T x K gathered pairs), FLA KDA "
@@ -85,6 +89,13 @@ H200 = GpuSpec(
     gemm_grouped_bf16=668e12,
     fp8_speedup_tensorwise=1.59,
     fp8_speedup_rowwise=1.31,
+    # The routed experts' FP8 split on an H100 (docs/performance.md, twenty-third session; proxy, reference scope,
+    # T = 4,096, 1,024 rows per expert): the grouped GEMM kernels took 38.24 ms in BF16 and 26.75 ms in FP8 (1.43x),
+    # yet the step took 17.14 ms longer; the 28.6 ms difference is torchao's casts of 42.3 GB (timing.py's
+    # expert_fp8_cast_bytes) at 1.48 TB/s, 0.44 of the H100's 3.35 TB/s. Not measured on the H200: the same kernel
+    # speed-up and fraction assumed.
+    fp8_speedup_grouped=1.43,
+    fp8_cast_efficiency=0.44,
     gemm_fp32=53e12,
     attention_masked=199e12,
     # scripts/bench_dsa.py, one proxy DSA layer's sparse op fwd+bwd: 3.5 x 2 x T x K x 64 heads x 2 x 512 FLOP with

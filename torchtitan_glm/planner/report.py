@@ -6,6 +6,7 @@ from .core import MEMORY_BUDGET, SEARCH_SCHEMA, Plan, assumptions
 from .hardware import GIB
 
 _LABELS = {"dense_gemm": "dense GEMMs", "dense_gemm_fp8": "dense GEMMs in FP8", "expert_gemm": "expert GEMMs",
+           "expert_fp8_casts": "experts' FP8 casts",
            "lm_head_ce": "LM head + CE", "kda": "KDA",
            "dsa_attention": "DSA attention", "indexer_fp32": "indexer", "kl_target_fp32": "KL target",
            "elementwise": "elementwise", "optimizer": "optimizer + clip", "fsdp_copies": "FSDP2 copies",

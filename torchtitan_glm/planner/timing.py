@@ -2,8 +2,10 @@
 
 Compute terms (FLOPs from the trainer's own counts, times from measured rates, hardware.py):
 - GEMMs: dense projections at the BF16 GEMM rate, those Float8Linear converts as their own term at the measured
-  FP8 speed-up (`dense_gemm_fp8`), routed experts at the measured grouped-GEMM rate (x the rowwise FP8 speed-up
-  when FP8), the fused LM-head CE at its measured time per row; full AC recomputes every forward GEMM, selective AC
+  FP8 speed-up (`dense_gemm_fp8`), routed experts at the measured grouped-GEMM rate (x the FP8 grouped kernels'
+  speed-up when FP8, plus torchao's casts of their operands, `expert_fp8_casts`: bytes at a measured fraction of HBM
+  speed, a cost per expert weight that does not shrink with the tokens), the fused LM-head CE at its measured time
+  per row; full AC recomputes every forward GEMM, selective AC
   the grouped expert GEMMs (a custom op its policy does not save). With FP8, `fp8_bound` says what it gives the
   step and could give at most.
 - KDA at FLA's measured time per token and head; DSA attention as the absorbed sparse MLA over the K selected
@@ -115,18 +117,22 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
     recompute_fwd = {"full": 1.0, "selective": 0.0}.get(regime, 0.0)
     fp8, converted = dense_fp8(inv, gpu)
     dense_s = dense * tokens * (1 + recompute_fwd / 3) / gpu.gemm_bf16  # all of it at the BF16 rate
-    expert_rate = gpu.gemm_grouped_bf16 * (gpu.fp8_speedup_rowwise if inv.expert_fp8 else 1.0)
+    expert_rate = gpu.gemm_grouped_bf16 * (gpu.fp8_speedup_grouped if inv.expert_fp8 else 1.0)
+    expert_forwards = (regime in ("full", "selective")) + (ctx.expert_share < 1)  # recomputed forwards
     out = {
         "dense_gemm": dense_s * (1 - converted),
         "dense_gemm_fp8": dense_s * converted / fp8,  # what Float8Linear converts (0 without FP8)
         # forward + backward (3 forwards' worth), one forward more under AC (selective recomputes the routed
         # experts too) and one more with moe_chunk_tokens (each chunk's backward re-runs it)
-        "expert_gemm": expert * tokens * (1 + ((regime in ("full", "selective")) + (ctx.expert_share < 1)) / 3)
-        / expert_rate,
+        "expert_gemm": expert * tokens * (1 + expert_forwards / 3) / expert_rate,
         "lm_head_ce": gpu.fused_ce_s_per_token * tokens * heads * (vocab / 154880) * (d / 4096),
         "kda": n_kda * tokens * args.linear_num_heads / tp * (gpu.kda_fwd_bwd_s_per_token_head
                                                                + recompute_fwd * gpu.kda_fwd_s_per_token_head),
     }
+    if inv.expert_fp8:
+        cast = expert_fp8_cast_bytes(args, tokens=tokens, ep=layout.ep, calls=_expert_calls(ctx),
+                                     forwards=1 + expert_forwards)
+        out["expert_fp8_casts"] = n_moe * cast / (gpu.hbm_bandwidth * gpu.fp8_cast_efficiency)
     h, dqk, dv, kvl = args.num_attention_heads, args.qk_head_dim, args.v_head_dim, args.kv_lora_rank
     ih, idim, kp = args.index_n_heads, args.index_head_dim, args.index_kpool
     big_k = selected_tokens(args, seq)
@@ -212,6 +218,26 @@ def _recompute_seconds(args, ctx: ActContext, gpu: GpuSpec, *, layers: list, fp8
     return seconds + kept * tokens / gpu.gemm_bf16, converted * tokens / (gpu.gemm_bf16 * fp8)
 
 
+def _expert_calls(ctx: ActContext) -> int:
+    """Grouped-GEMM calls per routed-expert weight and forward: one per moe_chunk_tokens chunk."""
+    return -(-ctx.tokens // ctx.moe_chunk) if 0 < ctx.moe_chunk < ctx.tokens else 1
+
+
+def expert_fp8_cast_bytes(args, *, tokens: int, ep: int, calls: int, forwards: int) -> float:
+    """Bytes torchao's FP8 rowwise grouped GEMM (prototype.moe_training) casts per MoE layer and step: each cast
+    reads BF16 and writes E4M3, 3 bytes per element. With N = tokens x top-k routed rows, hidden d, expert width F:
+    - each forward: the gate's and the up projection's input [N, d] rowwise (each its own call), the down
+      projection's [N, F], and every weight [E, d, F] per output column, once per call;
+    - the backward: the output gradients rowwise ([N, F] twice, [N, d]); the wgrad operands per (group, column),
+      every gradient and input once more (9 N (d + F)); every weight again per input row, once per call."""
+    d, f = args.hidden_size, args.moe_intermediate_size
+    rows = tokens * args.num_experts_per_tok
+    weights = 3 * (args.n_routed_experts // ep) * d * f
+    forward = rows * (2 * d + f) + weights * calls
+    backward = rows * (2 * f + d) + 3 * rows * (d + f) + weights * calls
+    return 3.0 * (forward * forwards + backward)
+
+
 def dense_fp8(inv: ModelInventory, gpu: GpuSpec) -> tuple[float, float]:
     """(speed-up, share): the measured FP8 speed-up of the dense projections Float8Linear converts, and their share
     of the dense projections' FLOPs (0 without FP8). Times add: the converted share is timed as its own term."""
@@ -223,8 +249,8 @@ def dense_fp8(inv: ModelInventory, gpu: GpuSpec) -> tuple[float, float]:
 
 def fp8_bound(compute: dict[str, float], inv: ModelInventory, gpu: GpuSpec,
               step_of: Callable[[float], float]) -> dict[str, float] | None:
-    """What FP8 can give this step (None without FP8): the converted GEMMs' seconds (`compute`'s FP8 terms) and
-    their seconds in BF16, and the step's speed-up over BF16 as planned, were those GEMMs at twice the BF16 rate (FP8's
+    """What FP8 can give this step (None without FP8): the converted GEMMs' seconds (`compute`'s FP8 terms, the
+    routed experts' casts included) and their seconds in BF16, and the step's speed-up over BF16 as planned, were those GEMMs at twice the BF16 rate (FP8's
     peak over BF16's on Hopper), and were they free. `step_of(total compute)` is the step with the communication
     that compute leaves exposed; the rest of the compute stays as planned (an Amdahl bound)."""
     if not inv.fp8_recipe:  # model.inventory: None when nothing is converted
@@ -232,8 +258,8 @@ def fp8_bound(compute: dict[str, float], inv: ModelInventory, gpu: GpuSpec,
     fp8, _ = dense_fp8(inv, gpu)
     dense = compute["dense_gemm_fp8"] + compute.get("recompute_modules_fp8", 0.0)
     experts = compute["expert_gemm"] if inv.expert_fp8 else 0.0
-    fp8_s = dense + experts
-    bf16_s = dense * fp8 + experts * gpu.fp8_speedup_rowwise
+    fp8_s = dense + experts + compute.get("expert_fp8_casts", 0.0)
+    bf16_s = dense * fp8 + experts * gpu.fp8_speedup_grouped
     rest = sum(compute.values()) - fp8_s
     bf16_step = step_of(rest + bf16_s)
     return {"converted_s": fp8_s, "converted_bf16_s": bf16_s, "share_of_bf16_step": bf16_s / bf16_step,
