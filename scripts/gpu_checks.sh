@@ -9,6 +9,7 @@
 #   blocks' inputs in host memory; alone: sweep; one compile per T, so split long compiled sweeps across calls;
 #   HOST_SAMPLER=<seconds> logs host memory meanwhile).
 #   speed (issue 12): scripts/bench_kda.py (KDA_SEQ, KDA_PROFILE=1 for its kernel tables; alone: kda),
+#   scripts/bench_causal_conv.py (the short conv's kernels against FLA's at KDA_SEQ, CONV_DOCS documents; alone: conv),
 #   scripts/bench_mhc.py (MHC_SEQ; alone: mhc), scripts/benchmark.py --against transformers (AGAINST_SEQ,
 #   AGAINST_RUNS; needs transformers >= 5.23 importable). proxytrain: train.py on train_configs/glm5_3_flash_proxy.toml (PROXY_STEPS, PROXY_ARGS).
 #   serving: the CUDA decode tests (FLA recurrent KDA, prefill states, sparse MLA over the latent cache, debug model
@@ -109,6 +110,10 @@ pack_cache
 case " $STAGES " in *" speed "*|*" kda "*)
   timeout "${KDA_BENCH_TIMEOUT:-200}" python3 scripts/bench_kda.py --seq-len "${KDA_SEQ:-8192}" \
       ${KDA_PROFILE:+--profile} --json "$OUT/bench_kda.json" 2>&1 | tee "$OUT/bench_kda.log" ;;
+esac
+case " $STAGES " in *" speed "*|*" conv "*)
+  timeout "${CONV_BENCH_TIMEOUT:-120}" python3 scripts/bench_causal_conv.py --seq-len "${KDA_SEQ:-8192}" \
+      --docs "${CONV_DOCS:-0}" --json "$OUT/bench_conv.json" 2>&1 | tee "$OUT/bench_conv.log" ;;
 esac
 case " $STAGES " in *" speed "*|*" mhc "*)
   timeout "${MHC_BENCH_TIMEOUT:-200}" python3 scripts/bench_mhc.py --seq-len "${MHC_SEQ:-4096}" 2>&1 \
