@@ -1,5 +1,6 @@
 """components/logs.py: the start-up summary's data row (how much data one epoch holds, how many epochs the run
-covers) and the warning when one global batch holds more rows than an epoch."""
+covers) and the warning when one global batch holds more rows than an epoch; init_logging's filter of known-benign
+third-party warnings."""
 
 from __future__ import annotations
 
@@ -76,3 +77,21 @@ def test_data_line_of_many_files_and_of_builtin(tmp_path):
                              dp_rank=0, dp_world_size=1, seed=0).summary()
     line, _ = data_line(plain, steps=1, global_batch_rows=1)
     assert line.endswith("epochs; each row one causal sequence (data.document_masking false)")
+
+
+def test_init_logging_drops_only_the_known_benign_third_party_warnings(caplog):
+    """torchao's extension-load failures and torch's pytree Enum note are dropped after init_logging (twice: the
+    filter is added once); the same loggers' other warnings still reach the handlers."""
+    from torchtitan_glm.components.logs import init_logging
+
+    init_logging(rank=0)
+    init_logging(rank=0)
+    ao, pytree = logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")
+    assert sum(type(f).__name__ == "_DropBenign" for f in ao.filters) == 1
+    with caplog.at_level(logging.WARNING):
+        ao.warning("Failed to load /x/torchao/_C_mxfp8.so: Could not load this library")
+        pytree.warning("%s is an Enum subclass and is now natively supported by torch.compile", "<enum 'K'>")
+        ao.warning("torchao: something else went wrong")
+        pytree.warning("another pytree warning")
+    assert [r.getMessage() for r in caplog.records] == ["torchao: something else went wrong",
+                                                        "another pytree warning"]
