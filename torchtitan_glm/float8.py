@@ -93,6 +93,14 @@ class Float8Summary:
         return (f"float8: recipe={self.recipe}, converted {self.converted_linears} Linear, "
                 f"{self.grouped_expert_weights} grouped-expert weights; kept BF16 by role: {kept}")
 
+    def nothing_converted(self) -> str:
+        """A warning when FP8 is on but the model has nothing in FP8 (every dim of its FP8 roles not divisible by 16,
+        or keep_bf16 naming them all): the run would train BF16 unawares. Empty otherwise."""
+        if self.recipe is None or self.converted_linears or self.grouped_expert_weights:
+            return ""
+        return ("float8.enable is true but no Linear and no routed expert was converted (see the float8 lines "
+                "above): this run trains in BF16")
+
     def left_line(self) -> str:
         """What the split meant to run in FP8 but left BF16 (torchao's dims-divisible-by-16 rule, or a Linear read
         only through its weight); empty when nothing was."""

@@ -268,6 +268,8 @@ class Trainer:
             print(self.float8.line(), flush=True)
             if self.float8.left_line():
                 print(self.float8.left_line(), flush=True)
+            if self.float8.nothing_converted():
+                logger.warning(self.float8.nothing_converted())
         configure_inductor_for_float8(cfg=cfg.float8)
         small = sum(p.numel() for p in model.parameters()) <= _MATERIALIZE_INIT_MAX_PARAMS
         if small:

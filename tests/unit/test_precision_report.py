@@ -116,6 +116,12 @@ def test_experts_left_bf16_by_the_shape_rule_are_reported():
     assert summary.grouped_expert_weights == 0 and summary.experts_left_bf16 == 4  # 3 MoE layers + the MTP's
     assert "4 routed-expert modules" in summary.left_line()
     assert convert_float8(Glm5Model(get_flavor("debug")), cfg=load_config([]).float8).left_line() == ""
+    assert summary.nothing_converted() == ""  # the Linears still converted
+    # hidden 72: no FP8 role's Linear nor expert divisible by 16, so FP8 on trains BF16, and says so
+    empty = convert_float8(Glm5Model(get_flavor("debug").replace(hidden_size=72)), cfg=cfg.float8)
+    assert (empty.converted_linears, empty.grouped_expert_weights) == (0, 0)
+    assert "no Linear and no routed expert was converted" in empty.nothing_converted()
+    assert convert_float8(Glm5Model(get_flavor("debug")), cfg=load_config([]).float8).nothing_converted() == ""
     # the report prints what train.py prints at start-up, the left-BF16 line included
     _, _, lines, _ = report(["--config", str(ROOT / "train_configs/debug_model.toml"), "--float8.enable", "true",
                           "--model.moe_intermediate_size", "24"])
