@@ -108,9 +108,16 @@ class ModelConfig(_Section):
 
     name: model family (only "glm5"); flavor: a named Glm5ModelArgs preset (models/glm5/args.py FLAVORS);
     hf_config: path to an HF config.json or checkpoint directory; when set it overrides `flavor`.
-    Any other key is a Glm5ModelArgs field set on top of the flavor / hf_config (`args`), e.g. `hc_mult = 2` or
-    the precision controls `indexer_fp8_emulation`, `mhc_fp32_mixing`, `kpool_fp32_accumulate`,
-    `indexer_weights_fp32`, `indexer_k_norm_fp32`, `kpool_ape_trainable`, `hc_head`.
+    Any other key is a Glm5ModelArgs field set on top of the flavor / hf_config (`args`), e.g. `hc_mult = 2`.
+    The precision controls (defaults: what the transformers reference computes; train_configs/glm5_3_flash.toml
+    sets the Megatron PR's values):
+      indexer_fp8_emulation: the indexer query and pooled keys through serving's FP8 path (Hadamard, power-of-two
+        scale, E4M3, dequantised; straight-through gradient);
+      mhc_fp32_mixing: the mHC residual mixing in FP32 with one final cast;
+      kpool_fp32_accumulate: the KPool weighted sum accumulated in FP32, one BF16 pooled key;
+      indexer_weights_fp32, indexer_k_norm_fp32: the indexer's head-weight projection / key LayerNorm in FP32;
+      kpool_ape_trainable: train the KPool absolute position embedding (false: frozen);
+      hc_head: how the final mHC streams become one, "mean" or "learned".
     """
 
     SECTION: ClassVar[str] = "model"
@@ -477,7 +484,8 @@ class Float8Config(_Section):
     "rowwise", "rowwise_with_gw_hp"); moe_experts: routed experts through torchao's FP8 rowwise grouped GEMM;
     fsdp_float8_all_gather: FSDP2 all-gathers the converted weights in FP8 (tensorwise only); keep_bf16: roles whose
     Linears stay BF16, default the serving split (the DSA indexer, the MLA attention GEMMs, every KDA projection),
-    choose from FLOAT8_ROLES. The LM head and the router are never converted.
+    choose from kda, mla, indexer, mlp (the dense layers' MLPs), shared_expert, mtp (the MTP layer's projection).
+    The LM head and the router are never converted; the routed experts follow moe_experts.
     """
 
     SECTION: ClassVar[str] = "float8"

@@ -262,3 +262,16 @@ def test_cli_list_takes_commas_or_a_toml_array():
         with pytest.raises(ConfigError) as info:
             load_config(["--activation_checkpoint.recompute_modules", bad])
         assert info.value.key == "activation_checkpoint.recompute_modules", info.value
+
+
+def test_help_float8_names_every_keep_bf16_role(capsys):
+    """`--help float8` lists the roles keep_bf16 accepts by name (the docstring and FLOAT8_ROLES stay in step)."""
+    import re
+
+    from torchtitan_glm.config import FLOAT8_ROLES
+
+    with pytest.raises(SystemExit):
+        load_config(["--help", "float8"])
+    doc = capsys.readouterr().out.split("[float8]\n")[0]
+    assert "FLOAT8_ROLES" not in doc
+    assert all(re.search(rf"\b{role}\b", doc) for role in FLOAT8_ROLES), doc
