@@ -70,6 +70,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    if not 0 <= a.docs <= a.seq_len:
+        p.error(f"--docs {a.docs}: documents per row must be between 0 and --seq-len ({a.seq_len})")
     if not torch.cuda.is_available():
         p.error("this benchmark times CUDA kernels and no CUDA device is visible")
     from torchtitan_glm.ops import causal_conv_triton

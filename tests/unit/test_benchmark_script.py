@@ -108,6 +108,8 @@ def test_gpu_benchmarks_say_they_need_cuda():
     assert proc.returncode == 2 and "needs CUDA" in proc.stderr
     proc = _run("scripts/bench_causal_conv.py")
     assert proc.returncode == 2 and "no CUDA device is visible" in proc.stderr
+    proc = _run("scripts/bench_causal_conv.py", "--seq-len", "16", "--docs", "17")  # flags first, then CUDA
+    assert proc.returncode == 2 and "--docs 17" in proc.stderr
     proc = _run("scripts/bench_optim.py", "--kernel-rows", "checked:1x2,fast:1x2")  # flags first, then CUDA
     assert proc.returncode == 2 and "--kernel-rows 'fast:1x2'" in proc.stderr
 

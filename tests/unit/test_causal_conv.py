@@ -213,6 +213,16 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
         except ValueError:
             continue
         raise AssertionError("a layout the kernels cannot index was accepted")
+    # a two-tap conv reads only x_t and x_{t-1}: an inf three tokens back leaves the output finite, as in the
+    # reference (the unrolled taps past W are not computed, not multiplied by zero)
+    x, w, pos, _ = _case(11, bsz=1, seqlen=20, ch=16, kernel=2, docs=False)  # the reference masks by product
+    x[0, 5, 3] = float("inf")
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(8))
+    y = causal_conv_silu_fwd_triton(x, w, pos, config=configs[0][0])
+    dx, _ = causal_conv_silu_bwd_triton(dy, x, w, pos, config=configs[0][1])
+    dx_ref, _, _ = causal_conv_silu_reference_bwd(dy, x, w, pos, None)
+    assert torch.equal(y.isfinite(), causal_conv_silu_reference(x, w, pos, None).isfinite()) and y[0, 8, 3].isfinite()
+    assert torch.equal(dx.isfinite(), dx_ref.isfinite())
     print("TRITON_INTERPRET_OK")
 """)
 

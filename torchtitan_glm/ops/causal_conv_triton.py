@@ -56,19 +56,17 @@ def _tap_weight(w, o_d, m_d, i: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _pre4(x0, x1, x2, x3, pos, w0, w1, w2, w3, HAS_POS: tl.constexpr):
-    """The pre-activation of tokens s from x_s .. x_{s-3} (tap i masked where pos_s < i), in FP32, summed in the
-    torch reference's order (tap 0 first)."""
+def _pre4(x0, x1, x2, x3, pos, w0, w1, w2, w3, W: tl.constexpr, HAS_POS: tl.constexpr):
+    """The pre-activation of tokens s from x_s .. x_{s-W+1} (tap i masked where pos_s < i; the rows past the W taps
+    are not read), in FP32, summed in the torch reference's order (tap 0 first)."""
     acc = tl.zeros(x0.shape, dtype=tl.float32)
     acc += x0 * w0[None, :]
-    if HAS_POS:
-        acc += tl.where((pos >= 1)[:, None], x1, 0.0) * w1[None, :]
-        acc += tl.where((pos >= 2)[:, None], x2, 0.0) * w2[None, :]
-        acc += tl.where((pos >= 3)[:, None], x3, 0.0) * w3[None, :]
-    else:
-        acc += x1 * w1[None, :]
-        acc += x2 * w2[None, :]
-        acc += x3 * w3[None, :]
+    if W > 1:
+        acc += (tl.where((pos >= 1)[:, None], x1, 0.0) if HAS_POS else x1) * w1[None, :]
+    if W > 2:
+        acc += (tl.where((pos >= 2)[:, None], x2, 0.0) if HAS_POS else x2) * w2[None, :]
+    if W > 3:
+        acc += (tl.where((pos >= 3)[:, None], x3, 0.0) if HAS_POS else x3) * w3[None, :]
     return acc
 
 
@@ -81,10 +79,11 @@ def _silu_grad(pre, dy):
 
 @triton.jit
 def _tap_grad(dyb, t0, j: tl.constexpr, xs0, xs1, xs2, xs3, pos, w0, w1, w2, w3, off, o_r, m_d, T, C,
-              HAS_POS: tl.constexpr):
+              W: tl.constexpr, HAS_POS: tl.constexpr):
     """[BT, BD] g_s = dy_s silu'(pre_s) of the tokens s = t + j (x_s .. x_{s-3} given), zero where tap j of s does
     not reach x_t (pos_s < j): dx_t's term through tap j, before its weight."""
-    g = _silu_grad(_pre4(xs0, xs1, xs2, xs3, pos, w0, w1, w2, w3, HAS_POS), _rows(dyb, t0, j, off, o_r, m_d, T, C))
+    g = _silu_grad(_pre4(xs0, xs1, xs2, xs3, pos, w0, w1, w2, w3, W, HAS_POS),
+                   _rows(dyb, t0, j, off, o_r, m_d, T, C))
     if HAS_POS:
         g = tl.where((pos >= j)[:, None], g, 0.0)
     return g
@@ -107,7 +106,7 @@ def _fwd_kernel(x, w, pos, y, T, C, W: tl.constexpr, HAS_POS: tl.constexpr, BT: 
     pre = _pre4(_rows(x + row, t0, 0, off, o_r, m_d, T, C), _rows(x + row, t0, -1, off, o_r, m_d, T, C),
                 _rows(x + row, t0, -2, off, o_r, m_d, T, C), _rows(x + row, t0, -3, off, o_r, m_d, T, C), pos_t,
                 _tap_weight(w, o_d, m_d, 0, W), _tap_weight(w, o_d, m_d, 1, W), _tap_weight(w, o_d, m_d, 2, W),
-                _tap_weight(w, o_d, m_d, 3, W), HAS_POS)
+                _tap_weight(w, o_d, m_d, 3, W), W, HAS_POS)
     out = pre * tl.sigmoid(pre)
     tl.store(y + row + t0.to(tl.int64) * C + off, out.to(y.dtype.element_ty), mask=(t < T)[:, None] & m_d[None, :])
 
@@ -145,7 +144,8 @@ def _bwd_kernel(x, w, pos, dy, dx, dw_part, T, C, NS, TOK: tl.constexpr, W: tl.c
         xm2 = _rows(xb, t0, -2, off, o_r, m_d, T, C)
         xm1 = _rows(xb, t0, -1, off, o_r, m_d, T, C)
         x0 = _rows(xb, t0, 0, off, o_r, m_d, T, C)
-        g = _silu_grad(_pre4(x0, xm1, xm2, xm3, p0, w0, w1, w2, w3, HAS_POS), _rows(dyb, t0, 0, off, o_r, m_d, T, C))
+        g = _silu_grad(_pre4(x0, xm1, xm2, xm3, p0, w0, w1, w2, w3, W, HAS_POS),
+                       _rows(dyb, t0, 0, off, o_r, m_d, T, C))
         acc = g * w0[None, :]
         dw0 += g * x0
         if HAS_POS:
@@ -158,15 +158,15 @@ def _bwd_kernel(x, w, pos, dy, dx, dw_part, T, C, NS, TOK: tl.constexpr, W: tl.c
             dw3 += g * xm3
         if W > 1:
             x1 = _rows(xb, t0, 1, off, o_r, m_d, T, C)
-            g = _tap_grad(dyb, t0, 1, x1, x0, xm1, xm2, p1, w0, w1, w2, w3, off, o_r, m_d, T, C, HAS_POS)
+            g = _tap_grad(dyb, t0, 1, x1, x0, xm1, xm2, p1, w0, w1, w2, w3, off, o_r, m_d, T, C, W, HAS_POS)
             acc += g * w1[None, :]
             if W > 2:
                 x2 = _rows(xb, t0, 2, off, o_r, m_d, T, C)
-                g = _tap_grad(dyb, t0, 2, x2, x1, x0, xm1, p2, w0, w1, w2, w3, off, o_r, m_d, T, C, HAS_POS)
+                g = _tap_grad(dyb, t0, 2, x2, x1, x0, xm1, p2, w0, w1, w2, w3, off, o_r, m_d, T, C, W, HAS_POS)
                 acc += g * w2[None, :]
                 if W > 3:
                     x3 = _rows(xb, t0, 3, off, o_r, m_d, T, C)
-                    g = _tap_grad(dyb, t0, 3, x3, x2, x1, x0, p3, w0, w1, w2, w3, off, o_r, m_d, T, C, HAS_POS)
+                    g = _tap_grad(dyb, t0, 3, x3, x2, x1, x0, p3, w0, w1, w2, w3, off, o_r, m_d, T, C, W, HAS_POS)
                     acc += g * w3[None, :]
         tl.store(dx + row + t0.to(tl.int64) * C + off, acc.to(dx.dtype.element_ty),
                  mask=(t < T)[:, None] & m_d[None, :])

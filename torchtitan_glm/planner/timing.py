@@ -118,12 +118,14 @@ def compute_terms(inv: ModelInventory, gpu: GpuSpec, ctx: ActContext, *, regime:
     fp8, converted = dense_fp8(inv, gpu)
     dense_s = dense * tokens * (1 + recompute_fwd / 3) / gpu.gemm_bf16  # all of it at the BF16 rate
     expert_rate = gpu.gemm_grouped_bf16 * (gpu.fp8_speedup_grouped if inv.expert_fp8 else 1.0)
-    expert_forwards = (regime in ("full", "selective")) + (ctx.expert_share < 1)  # recomputed forwards
+    # forwards of the routed experts run again in the backward: AC's recompute, one per moe_chunk_tokens chunk's
+    # checkpoint, and under EP the experts' op itself (ops/expert_parallel.py: ep_swiglu_bwd re-runs the local
+    # experts to differentiate them)
+    expert_forwards = (regime in ("full", "selective")) + (ctx.expert_share < 1) + (layout.ep > 1)
     out = {
         "dense_gemm": dense_s * (1 - converted),
         "dense_gemm_fp8": dense_s * converted / fp8,  # what Float8Linear converts (0 without FP8)
-        # forward + backward (3 forwards' worth), one forward more under AC (selective recomputes the routed
-        # experts too) and one more with moe_chunk_tokens (each chunk's backward re-runs it)
+        # forward + backward (3 forwards' worth), and each forward run again (above)
         "expert_gemm": expert * tokens * (1 + expert_forwards / 3) / expert_rate,
         "lm_head_ce": gpu.fused_ce_s_per_token * tokens * heads * (vocab / 154880) * (d / 4096),
         "kda": n_kda * tokens * args.linear_num_heads / tp * (gpu.kda_fwd_bwd_s_per_token_head
@@ -233,9 +235,11 @@ def expert_fp8_cast_bytes(args, *, tokens: int, ep: int, calls: int, forwards: i
     d, f = args.hidden_size, args.moe_intermediate_size
     rows = tokens * args.num_experts_per_tok
     weights = 3 * (args.n_routed_experts // ep) * d * f
-    forward = rows * (2 * d + f) + weights * calls
-    backward = rows * (2 * f + d) + 3 * rows * (d + f) + weights * calls
-    return 3.0 * (forward * forwards + backward)
+    forward = 3 * (rows * (2 * d + f) + weights * calls)
+    # the backward's weight cast is two kernels (scales, then cast: triton_fp8_rowwise_3d_transpose_rhs), so the
+    # weights are read twice there: 5 bytes per element
+    backward = 3 * (rows * (2 * f + d) + 3 * rows * (d + f)) + 5 * weights * calls
+    return float(forward * forwards + backward)
 
 
 def dense_fp8(inv: ModelInventory, gpu: GpuSpec) -> tuple[float, float]:
