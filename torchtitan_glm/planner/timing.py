@@ -5,8 +5,8 @@ Compute terms (FLOPs from the trainer's own counts, times from measured rates, h
   FP8 speed-up (`dense_gemm_fp8`), routed experts at the measured grouped-GEMM rate (x the FP8 grouped kernels'
   speed-up when FP8, plus torchao's casts of their operands, `expert_fp8_casts`: bytes at a measured fraction of HBM
   speed, a cost per expert weight that does not shrink with the tokens), the fused LM-head CE at its measured time
-  per row; full AC recomputes every forward GEMM, selective AC
-  the grouped expert GEMMs (a custom op its policy does not save). With FP8, `fp8_bound` says what it gives the
+  per row; full AC recomputes every forward GEMM, selective AC the grouped expert GEMMs (a custom op its policy
+  does not save), and under EP the experts' op runs their forward again in its backward. With FP8, `fp8_bound` says what it gives the
   step and could give at most.
 - KDA at FLA's measured time per token and head; DSA attention as the absorbed sparse MLA over the K selected
   tokens (measured rate), or (the dense warm-up, and rows of at most dsa_dense_max_len) masked SDPA over every key
