@@ -5,9 +5,9 @@
 Tap W-1 of the weight multiplies x_t, tap W-1-j x_{t-j}; a tap that reaches into the previous document (pos_in_doc
 < j) reads zero. The custom ops `causal_conv_silu_fwd` / `causal_conv_silu_bwd` compile as opaque nodes that keep
 only the inputs for the backward (x in its own dtype, BF16 in training), which recomputes the FP32 pre-activation.
-CPU, and CUDA with a halo (context parallelism, decode): the torch reference below. CUDA without a halo: Triton
-kernels (ops/causal_conv_triton.py). Compiled with a halo: the reference as a plain expression in a checkpointed
-region, which inductor fuses.
+CPU, and CUDA with a halo (context parallelism, decode) or more than four taps: the torch reference below. CUDA
+without a halo: Triton kernels (ops/causal_conv_triton.py). Compiled with a halo: the reference as a plain expression
+in a checkpointed region, which inductor fuses.
 """
 
 from __future__ import annotations
