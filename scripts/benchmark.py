@@ -15,7 +15,8 @@ docs/performance.md (trunk + LM head + CE). AC `auto` picks selective up to T = 
 out of memory prints a row marked OOM and the sweep goes on. A third field `fp8` in a run (`compiled:selective:fp8`)
 converts the model to the FP8 serving split first (`--float8-recipe`; `--float8-moe-experts off` keeps the routed
 experts BF16, and each row counts what was converted). `--profile` adds one profiled step per run and
-prints its CUDA kernels by total time (on CPU its CPU ops); `--memory-profile` (CUDA only) prints what is alive at
+prints its CUDA kernels by total time (on CPU its CPU ops; `--profile-rows N`, `--profile-match a,b` for the rows
+naming a or b and their summed self time); `--memory-profile` (CUDA only) prints what is alive at
 each run's memory peak (or out-of-memory) by source line. `--recompute-modules kda,mhc` adds
 activation_checkpoint.recompute_modules to the selective runs (their AC column reads `selective+kda+mhc`). Prints one
 JSON line per run and a markdown table (its `MoE chunk` column is `--moe-chunk-tokens`); the proxy needs CUDA.
@@ -270,13 +271,30 @@ def model_args(flavor: str, *, scope: str, tile_elements: int, dsa_dense_max_len
     return args if scope == "train" else dataclasses.replace(args, num_nextn_predict_layers=0)
 
 
+def profile_table(events, *, cuda: bool, rows: int, match: tuple[str, ...] = ()) -> str:
+    """torch.profiler's key averages by total time (CUDA kernels' on CUDA, ops' on CPU), `rows` of them; with
+    `match`, only the rows whose name contains one of those substrings (case-insensitive), and a last line with
+    their count and summed self time (kernels have no children, so their self times add up without overlap)."""
+    from torch.autograd.profiler_util import EventList
+
+    sort_by = "cuda_time_total" if cuda else "cpu_time_total"
+    if not match:
+        return events.table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
+    picked = EventList([e for e in events if any(m.lower() in e.key.lower() for m in match)])
+    self_us = sum(getattr(e, "self_device_time_total" if cuda else "self_cpu_time_total") for e in picked)
+    table = picked.table(sort_by=sort_by, row_limit=rows, max_name_column_width=60) if len(picked) else ""
+    return (f"{table}\nrows matching {', '.join(match)}: {len(picked)}, their self "
+            f"{'CUDA' if cuda else 'CPU'} time summed: {self_us / 1e3:.3f} ms")
+
+
 def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, steps: int, warmup: int,
             device: torch.device, dtype: torch.dtype, backend: str, scope: str, profile: bool, indexer_kl: str,
             docs: int, tile_elements: int, float8: str | None = None,
             weights: dict[str, torch.Tensor] | None = None, recompute_modules: tuple[str, ...] = (),
             dsa_dense_max_len: int | None = None, dsa_mask_query_chunk: int | None = None,
             dsa_mask_causal_rows: bool = True, memory_profile: bool = False, moe_chunk_tokens: int = 0,
-            offload_inputs: bool = False, float8_moe_experts: bool = True) -> dict:
+            offload_inputs: bool = False, float8_moe_experts: bool = True, profile_rows: int = 30,
+            profile_match: tuple[str, ...] = ()) -> dict:
     """One timed run of this repo's model; from `weights` (our names) when given, else from its own init."""
     args = model_args(flavor, scope=scope, tile_elements=tile_elements, dsa_dense_max_len=dsa_dense_max_len,
                       dsa_mask_query_chunk=dsa_mask_query_chunk, dsa_mask_causal_rows=dsa_mask_causal_rows)
@@ -332,8 +350,8 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
             step()
             if device.type == "cuda":
                 torch.cuda.synchronize()
-        sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-        print(prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=60), flush=True)
+        print(profile_table(prof.key_averages(), cuda=device.type == "cuda", rows=profile_rows,
+                            match=profile_match), flush=True)
     tps = batch * seq_len / timed["step_s"]
     offloaded = offload_inputs and ac == "full"
     calls = steps + warmup + (device.type != "cuda" and not compiled)
@@ -427,6 +445,11 @@ def main() -> None:
                         "causal run SDPA's causal kernel without the mask (off: under the mask, as before)")
     p.add_argument("--profile", action="store_true",
                    help="one more step per run under torch.profiler: its CUDA kernels (on CPU its ops) by total time")
+    p.add_argument("--profile-rows", type=int, default=30, help="--profile: how many rows of its table (default 30)")
+    p.add_argument("--profile-match", default="",
+                   help="--profile: only the rows whose name contains one of these comma-separated substrings "
+                        "(case-insensitive), and their summed self time; e.g. fp8,scale,cast for torchao's FP8 "
+                        "casts")
     p.add_argument("--memory-profile", action="store_true",
                    help="CUDA only: record CUDA allocations and print what is alive at each run's peak (or "
                         "out-of-memory) by the source line that allocated it (components/memory_peak.py); timings "
@@ -480,6 +503,10 @@ def main() -> None:
         p.error(f"--dsa-mask-query-chunk: comma-separated integers, got {a.dsa_mask_query_chunk!r}")
     if any(c is not None and c < 0 for c in mask_chunks):
         p.error(f"--dsa-mask-query-chunk: must be >= 0 (0: one call), got {a.dsa_mask_query_chunk!r}")
+    if a.profile_rows < 1:
+        p.error(f"--profile-rows {a.profile_rows}: print at least one row")
+    if not a.profile and (a.profile_match or a.profile_rows != 30):
+        p.error("--profile-rows / --profile-match shape --profile's table: add --profile")
     if a.memory_profile and not torch.cuda.is_available():
         p.error("--memory-profile records CUDA allocations (torch.cuda.memory): it needs CUDA and none is visible")
     if not torch.cuda.is_available() and a.flavor != "debug":
@@ -524,7 +551,8 @@ def main() -> None:
                             dsa_mask_query_chunk=mask_chunk, dsa_mask_causal_rows=a.dsa_mask_causal_rows == "on",
                             memory_profile=a.memory_profile,
                             moe_chunk_tokens=a.moe_chunk_tokens, offload_inputs=a.offload_inputs,
-                            float8_moe_experts=a.float8_moe_experts == "on")
+                            float8_moe_experts=a.float8_moe_experts == "on", profile_rows=a.profile_rows,
+                            profile_match=tuple(m for m in a.profile_match.split(",") if m))
             except torch.cuda.OutOfMemoryError as e:
                 r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=ac,
                          float8=a.float8_recipe if fp8 else "off", moe_chunk_tokens=a.moe_chunk_tokens,

@@ -248,6 +248,30 @@ def test_profile_on_cpu_and_the_table_shows_moe_chunk_tokens(tmp_path):
     assert body[header.index("DSA dense max")] == str(row["dsa_dense_max_len"])
 
 
+def test_profile_match_keeps_the_named_rows_and_sums_their_self_time(tmp_path):
+    """--profile-match prints only the profiled ops whose names hold one of the substrings, with their count and
+    summed self time (on CPU, ops' self CPU time; the sum equals the rows' own column); without --profile the
+    shaping flags are refused."""
+    import re
+
+    proc = _run("scripts/benchmark.py", "--flavor", "debug", "--seq-len", "32", "--steps", "1", "--warmup", "0",
+                "--runs", "eager:none", "--profile", "--profile-match", "aten::mm,ADDMM", "--profile-rows", "100")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.lstrip().startswith("aten::")]
+    names = {line.split()[0] for line in rows}
+    assert names == {"aten::mm", "aten::addmm"} or names == {"aten::mm"}, names
+    (summary,) = re.findall(r"rows matching aten::mm, ADDMM: (\d+), their self CPU time summed: ([\d.]+) ms",
+                            proc.stdout)
+    assert int(summary[0]) == len(rows) and float(summary[1]) > 0
+    # the filtered table's own total (torch's formatting: us, ms or s) is the same sum
+    value, unit = re.search(r"Self CPU time total: ([\d.]+)(us|ms|s)\b", proc.stdout).groups()
+    assert float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit] == pytest.approx(float(summary[1]), abs=2e-3)
+    for bad, named in ((["--profile-match", "mm"], "add --profile"), (["--profile", "--profile-rows", "0"],
+                                                                       "--profile-rows 0")):
+        proc = _run("scripts/benchmark.py", "--flavor", "debug", "--seq-len", "32", "--runs", "eager:none", *bad)
+        assert proc.returncode == 2 and named in proc.stderr, proc.stderr[-2000:]
+
+
 def test_help_cites_files_of_the_repository_and_the_tie_caveat():
     import re
 
