@@ -6,8 +6,8 @@ Compute terms (FLOPs from the trainer's own counts, times from measured rates, h
   speed-up when FP8, plus torchao's casts of their operands, `expert_fp8_casts`: bytes at a measured fraction of HBM
   speed, a cost per expert weight that does not shrink with the tokens), the fused LM-head CE at its measured time
   per row; full AC recomputes every forward GEMM, selective AC the grouped expert GEMMs (a custom op its policy
-  does not save), and under EP the experts' op runs their forward again in its backward. With FP8, `fp8_bound` says what it gives the
-  step and could give at most.
+  does not save), and under EP the experts' op runs their forward again in its backward. With FP8, `fp8_bound`
+  says what it gives the step and could give at most.
 - KDA at FLA's measured time per token and head; DSA attention as the absorbed sparse MLA over the K selected
   tokens (measured rate), or (the dense warm-up, and rows of at most dsa_dense_max_len) masked SDPA over every key
   up to each query chunk's last (measured cuDNN rate), a one-document row's leading causal rows at the measured
@@ -254,8 +254,8 @@ def dense_fp8(inv: ModelInventory, gpu: GpuSpec) -> tuple[float, float]:
 def fp8_bound(compute: dict[str, float], inv: ModelInventory, gpu: GpuSpec,
               step_of: Callable[[float], float]) -> dict[str, float] | None:
     """What FP8 can give this step (None without FP8): the converted GEMMs' seconds (`compute`'s FP8 terms, the
-    routed experts' casts included) and their seconds in BF16, and the step's speed-up over BF16 as planned, were those GEMMs at twice the BF16 rate (FP8's
-    peak over BF16's on Hopper), and were they free. `step_of(total compute)` is the step with the communication
+    routed experts' casts included) and their seconds in BF16, and the step's speed-up over BF16 as planned, were
+    those GEMMs at twice the BF16 rate (FP8's peak over BF16's on Hopper), and were they free. `step_of(total compute)` is the step with the communication
     that compute leaves exposed; the rest of the compute stays as planned (an Amdahl bound)."""
     if not inv.fp8_recipe:  # model.inventory: None when nothing is converted
         return None
