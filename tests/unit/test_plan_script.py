@@ -404,6 +404,16 @@ def test_fp8_time_adds_per_gemm_and_its_bound_is_the_bf16_plans():
     assert bound["speedup_at_2x"] == pytest.approx(bf16["step_s"] / (rest + converted_bf16 / 2), rel=1e-3)
     assert bound["speedup_if_free"] == pytest.approx(bf16["step_s"] / rest, rel=1e-3)
     assert bound["speedup"] < bound["speedup_at_2x"] < bound["speedup_if_free"]
+    # what the routed experts in FP8 cost over BF16, and the text's hint when that is positive (the proxy at 4,096
+    # tokens: 1,024 rows per expert)
+    net = c["expert_gemm"] + c["expert_fp8_casts"] - b["expert_gemm"]
+    assert bound["experts_net_s"] == pytest.approx(net, abs=2e-5) and net > 0
+    text = run(base[:-3] + ["--scope", "bench_train", "--float8.enable", "true"])
+    assert "float8.moe_experts = false plans faster" in text
+    dense_only = json.loads(run([*base, "--float8.enable", "true", "--float8.moe_experts", "false"]))["time"]["fp8"]
+    assert "experts_net_s" not in dense_only
+    assert "plans faster" not in run(base[:-3] + ["--scope", "bench_train", "--float8.enable", "true",
+                                                   "--float8.moe_experts", "false"])
 
 
 def test_expert_fp8_casts_count_every_tensor_torchao_casts():

@@ -73,7 +73,8 @@ TIME_FIELDS = {
     "compute_s": (dict, "compute seconds by term"), "exposed_comm_s": (dict, "communication not hidden, by kind"),
     "fp8": ((dict, type(None)), "with FP8: the converted GEMMs' seconds (converted_s, converted_bf16_s), their "
                                 "share_of_bf16_step, and the step's speed-up over BF16: speedup (planned), "
-                                "speedup_at_2x (those GEMMs at twice the BF16 rate), speedup_if_free"),
+                                "speedup_at_2x (those GEMMs at twice the BF16 rate), speedup_if_free; with FP8 "
+                                "routed experts experts_net_s (their seconds with the casts less in BF16)"),
 }
 _DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 

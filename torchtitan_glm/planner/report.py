@@ -78,6 +78,9 @@ def plan_text(p: Plan) -> str:
                      f"BF16, {f['share_of_bf16_step']:.0%} of the BF16 step): {f['speedup']:.3f}x over BF16 as "
                      f"planned, at most {f['speedup_at_2x']:.3f}x at twice the BF16 rate, {f['speedup_if_free']:.3f}x "
                      "were they free")
+        if f.get("experts_net_s", 0.0) > 0:
+            lines.append(f"  FP8 routed experts take {f['experts_net_s']:.3f} s more than in BF16 (torchao's casts of "
+                         "their operands and weights): float8.moe_experts = false plans faster")
     if t.collectives:
         per = "per microbatch" if t.micro > 1 else "per step"
         lines.append(f"  collectives {per}, per rank (all units): name | group | calls | GB sent | link | seconds "

@@ -255,8 +255,10 @@ def fp8_bound(compute: dict[str, float], inv: ModelInventory, gpu: GpuSpec,
               step_of: Callable[[float], float]) -> dict[str, float] | None:
     """What FP8 can give this step (None without FP8): the converted GEMMs' seconds (`compute`'s FP8 terms, the
     routed experts' casts included) and their seconds in BF16, and the step's speed-up over BF16 as planned, were
-    those GEMMs at twice the BF16 rate (FP8's peak over BF16's on Hopper), and were they free. `step_of(total compute)` is the step with the communication
-    that compute leaves exposed; the rest of the compute stays as planned (an Amdahl bound)."""
+    those GEMMs at twice the BF16 rate (FP8's peak over BF16's on Hopper), and were they free. `step_of(total
+    compute)` is the step with the communication that compute leaves exposed; the rest of the compute stays as
+    planned (an Amdahl bound). With FP8 routed experts, `experts_net_s`: their seconds with the casts less their
+    seconds in BF16 (positive: float8.moe_experts = false plans faster)."""
     if not inv.fp8_recipe:  # model.inventory: None when nothing is converted
         return None
     fp8, _ = dense_fp8(inv, gpu)
@@ -266,9 +268,12 @@ def fp8_bound(compute: dict[str, float], inv: ModelInventory, gpu: GpuSpec,
     bf16_s = dense * fp8 + experts * gpu.fp8_speedup_grouped
     rest = sum(compute.values()) - fp8_s
     bf16_step = step_of(rest + bf16_s)
-    return {"converted_s": fp8_s, "converted_bf16_s": bf16_s, "share_of_bf16_step": bf16_s / bf16_step,
-            "speedup": bf16_step / step_of(rest + fp8_s), "speedup_at_2x": bf16_step / step_of(rest + bf16_s / 2),
-            "speedup_if_free": bf16_step / step_of(rest)}
+    out = {"converted_s": fp8_s, "converted_bf16_s": bf16_s, "share_of_bf16_step": bf16_s / bf16_step,
+           "speedup": bf16_step / step_of(rest + fp8_s), "speedup_at_2x": bf16_step / step_of(rest + bf16_s / 2),
+           "speedup_if_free": bf16_step / step_of(rest)}
+    if inv.expert_fp8:
+        out["experts_net_s"] = experts + compute.get("expert_fp8_casts", 0.0) - experts * gpu.fp8_speedup_grouped
+    return out
 
 
 def plan_time(inv: ModelInventory, layout: Layout, gpu: GpuSpec, ctx: ActContext, *, regime: str, with_mtp: bool,
