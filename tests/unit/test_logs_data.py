@@ -90,8 +90,11 @@ def test_init_logging_drops_only_the_known_benign_third_party_warnings(caplog):
     assert sum(type(f).__name__ == "_DropBenign" for f in ao.filters) == 1
     with caplog.at_level(logging.WARNING):
         ao.warning("Failed to load /x/torchao/_C_mxfp8.so: Could not load this library")
-        pytree.warning("%s is an Enum subclass and is now natively supported by torch.compile", "<enum 'K'>")
+        pytree.warning("%s is an Enum subclass and is now natively supported by torch.compile as an opaque value "
+                       "type. Calling register_constant() on Enum subclasses is deprecated", "<enum 'K'>")
         ao.warning("torchao: something else went wrong")
+        ao.warning("Failed to load the quantization config: bad file")  # not an extension: kept
         pytree.warning("another pytree warning")
     assert [r.getMessage() for r in caplog.records] == ["torchao: something else went wrong",
+                                                        "Failed to load the quantization config: bad file",
                                                         "another pytree warning"]

@@ -23,29 +23,30 @@ logger = logging.getLogger(__name__)
 # does (an outside review read them as errors): torchao's prebuilt C++ extensions (its MXFP8 and CUTLASS kernels,
 # which the trainer never calls: its FP8 runs torchao's Python and Triton code and torch._scaled_grouped_mm) failing
 # to load against this torch build, and torch's note to torchao that registering its enums as pytree constants is
-# deprecated. (logger, message prefix or fragment); anything else those loggers say still prints.
-_BENIGN_WARNINGS = (("torchao", "Failed to load "), ("torch.utils._pytree", "is an Enum subclass"))
+# deprecated. (logger, fragments a message must all contain); anything else those loggers say still prints.
+_BENIGN_WARNINGS = (("torchao", ("Failed to load ", "_C")),
+                    ("torch.utils._pytree", ("is an Enum subclass", "register_constant")))
 
 
 class _DropBenign(logging.Filter):
-    """Drops one logger's records whose message contains `fragment`."""
+    """Drops one logger's records whose message contains every one of `fragments`."""
 
-    def __init__(self, fragment: str) -> None:
+    def __init__(self, fragments: tuple[str, ...]) -> None:
         super().__init__()
-        self.fragment = fragment
+        self.fragments = fragments
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return self.fragment not in str(record.msg)
+        return not all(f in str(record.msg) for f in self.fragments)
 
 
 def init_logging(*, rank: int) -> None:
     """The package's loggers print to stdout: INFO and up on rank 0, WARNING and up (prefixed by the rank)
     elsewhere, so a multi-rank job logs once; the known-benign third-party warnings above are dropped. Idempotent;
     the root logger is left alone."""
-    for name, fragment in _BENIGN_WARNINGS:
+    for name, fragments in _BENIGN_WARNINGS:
         other = logging.getLogger(name)
         if not any(isinstance(f, _DropBenign) for f in other.filters):
-            other.addFilter(_DropBenign(fragment))
+            other.addFilter(_DropBenign(fragments))
     log = logging.getLogger(_PACKAGE)
     for h in list(log.handlers):
         if getattr(h, "_torchtitan_glm", False):
