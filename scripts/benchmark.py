@@ -16,7 +16,7 @@ out of memory prints a row marked OOM and the sweep goes on. A third field `fp8`
 converts the model to the FP8 serving split first (`--float8-recipe`; `--float8-moe-experts off` keeps the routed
 experts BF16, and each row counts what was converted). `--profile` adds one profiled step per run and
 prints its CUDA kernels by total time (on CPU its CPU ops; `--profile-rows N`, `--profile-match a,b` for the rows
-naming a or b and their summed self time); `--memory-profile` (CUDA only) prints what is alive at
+naming a or b and their summed self time, on CUDA the matching kernels'); `--memory-profile` (CUDA only) prints what is alive at
 each run's memory peak (or out-of-memory) by source line. `--recompute-modules kda,mhc` adds
 activation_checkpoint.recompute_modules to the selective runs (their AC column reads `selective+kda+mhc`). Prints one
 JSON line per run and a markdown table (its `MoE chunk` column is `--moe-chunk-tokens`); the proxy needs CUDA.
@@ -271,20 +271,31 @@ def model_args(flavor: str, *, scope: str, tile_elements: int, dsa_dense_max_len
     return args if scope == "train" else dataclasses.replace(args, num_nextn_predict_layers=0)
 
 
+def matched_self_us(picked, *, cuda: bool) -> float:
+    """Summed self time (us) of profiled rows. On CUDA only the kernels' rows count: an op's self CUDA time is its
+    kernels' time, so an op row and its kernel row both matching would count those kernels twice (a torchao cast op
+    and its Triton kernel, 2026-12-06). On CPU ops' self CPU times exclude their children, so they add up."""
+    if not cuda:
+        return sum(e.self_cpu_time_total for e in picked)
+    from torch.autograd import DeviceType
+
+    return sum(e.self_device_time_total for e in picked if e.device_type == DeviceType.CUDA)
+
+
 def profile_table(events, *, cuda: bool, rows: int, match: tuple[str, ...] = ()) -> str:
     """torch.profiler's key averages by total time (CUDA kernels' on CUDA, ops' on CPU), `rows` of them; with
     `match`, only the rows whose name contains one of those substrings (case-insensitive), and a last line with
-    their count and summed self time (kernels have no children, so their self times add up without overlap)."""
+    their count and summed self time (matched_self_us: the kernels' on CUDA, so name the kernels to count)."""
     from torch.autograd.profiler_util import EventList
 
     sort_by = "cuda_time_total" if cuda else "cpu_time_total"
     if not match:
         return events.table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
     picked = EventList([e for e in events if any(m.lower() in e.key.lower() for m in match)])
-    self_us = sum(getattr(e, "self_device_time_total" if cuda else "self_cpu_time_total") for e in picked)
     table = picked.table(sort_by=sort_by, row_limit=rows, max_name_column_width=60) if len(picked) else ""
-    return (f"{table}\nrows matching {', '.join(match)}: {len(picked)}, their self "
-            f"{'CUDA' if cuda else 'CPU'} time summed: {self_us / 1e3:.3f} ms")
+    what = "CUDA kernels' self time" if cuda else "self CPU time"
+    return (f"{table}\nrows matching {', '.join(match)}: {len(picked)}, their {what} summed: "
+            f"{matched_self_us(picked, cuda=cuda) / 1e3:.3f} ms")
 
 
 def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, steps: int, warmup: int,
@@ -448,8 +459,8 @@ def main() -> None:
     p.add_argument("--profile-rows", type=int, default=30, help="--profile: how many rows of its table (default 30)")
     p.add_argument("--profile-match", default="",
                    help="--profile: only the rows whose name contains one of these comma-separated substrings "
-                        "(case-insensitive), and their summed self time; e.g. fp8,scale,cast for torchao's FP8 "
-                        "casts")
+                        "(case-insensitive), and their summed self time (on CUDA the matching kernels' only, so an op "
+                        "and its kernel are not counted twice); e.g. _triton_fp8 for torchao's FP8 cast kernels")
     p.add_argument("--memory-profile", action="store_true",
                    help="CUDA only: record CUDA allocations and print what is alive at each run's peak (or "
                         "out-of-memory) by the source line that allocated it (components/memory_peak.py); timings "

@@ -11,7 +11,7 @@
 #   speed (issue 12): scripts/bench_kda.py (KDA_SEQ, KDA_PROFILE=1 for its kernel tables; alone: kda),
 #   scripts/bench_causal_conv.py (the short conv's kernels against FLA's at KDA_SEQ, CONV_DOCS documents; alone: conv),
 #   scripts/bench_mhc.py (MHC_SEQ; alone: mhc), scripts/benchmark.py --against transformers (AGAINST_SEQ,
-#   AGAINST_RUNS; needs transformers >= 5.23 importable). proxytrain: train.py on train_configs/glm5_3_flash_proxy.toml (PROXY_STEPS, PROXY_ARGS).
+#   AGAINST_RUNS; needs transformers >= 5.23 importable; alone: against). proxytrain: train.py on train_configs/glm5_3_flash_proxy.toml (PROXY_STEPS, PROXY_ARGS).
 #   serving: the CUDA decode tests (FLA recurrent KDA, prefill states, sparse MLA over the latent cache, debug model
 #   decode == forward), scripts/rollout_agreement.py on the proxy (ROLLOUT_PRECISIONS; on the proxy trained
 #   ROLLOUT_TRAIN_STEPS=30 steps first, 0 = random weights, or ROLLOUT_SOURCE="--hf DIR"/"--checkpoint DIR") and
@@ -120,7 +120,7 @@ case " $STAGES " in *" speed "*|*" mhc "*)
       | tee "$OUT/bench_mhc.log" ;;
 esac
 pack_cache
-case " $STAGES " in *" speed "*)
+case " $STAGES " in *" speed "*|*" against "*)
   timeout "${AGAINST_TIMEOUT:-300}" python3 scripts/benchmark.py --flavor glm5_3_flash_proxy --against transformers \
       --seq-len "${AGAINST_SEQ:-4096}" --steps 4 --warmup 2 --runs "${AGAINST_RUNS:-compiled:none}" \
       --out "$OUT/bench_against.json" 2>&1 | tee "$OUT/bench_against.log" ;;

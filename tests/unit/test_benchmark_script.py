@@ -263,13 +263,33 @@ def test_profile_match_keeps_the_named_rows_and_sums_their_self_time(tmp_path):
     (summary,) = re.findall(r"rows matching aten::mm, ADDMM: (\d+), their self CPU time summed: ([\d.]+) ms",
                             proc.stdout)
     assert int(summary[0]) == len(rows) and float(summary[1]) > 0
-    # the filtered table's own total (torch's formatting: us, ms or s) is the same sum
+    # the filtered table's own total (torch's formatting: us, ms or s, three decimals) is the same sum
     value, unit = re.search(r"Self CPU time total: ([\d.]+)(us|ms|s)\b", proc.stdout).groups()
-    assert float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit] == pytest.approx(float(summary[1]), abs=2e-3)
+    scale = {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
+    assert float(value) * scale == pytest.approx(float(summary[1]), abs=2e-3 + 5e-4 * scale)
     for bad, named in ((["--profile-match", "mm"], "add --profile"), (["--profile", "--profile-rows", "0"],
                                                                        "--profile-rows 0")):
         proc = _run("scripts/benchmark.py", "--flavor", "debug", "--seq-len", "32", "--runs", "eager:none", *bad)
         assert proc.returncode == 2 and named in proc.stderr, proc.stderr[-2000:]
+
+
+def test_profile_match_sums_kernels_once_on_cuda(monkeypatch):
+    """On CUDA an op's self time is its kernels' time: a cast op and its Triton kernel both matching must count the
+    kernel once (the sum takes kernel rows only); on CPU ops' self times add up."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    op = SimpleNamespace(device_type=DeviceType.CPU, self_device_time_total=7222.0, self_cpu_time_total=4077.0)
+    kernel = SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=7222.0, self_cpu_time_total=0.0)
+    other = SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=6583.0, self_cpu_time_total=0.0)
+    assert bench.matched_self_us([op, kernel, other], cuda=True) == 7222.0 + 6583.0
+    assert bench.matched_self_us([op, kernel, other], cuda=False) == 4077.0
 
 
 def test_help_cites_files_of_the_repository_and_the_tie_caveat():
