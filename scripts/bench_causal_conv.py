@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cuda_timing import median_ms, print_table  # noqa: E402
+from cuda_timing import at_least, median_ms, print_table  # noqa: E402
 
 from torchtitan_glm.ops.causal_conv import causal_conv_silu_reference_bwd  # noqa: E402
 
@@ -62,12 +62,12 @@ def _kernel_rows(name: str, mod, x, w, dy, pos, steps: int, warmup: int, moved: 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-len", type=int, default=8192)
-    p.add_argument("--channels", type=int, default=8192, help="one conv's channels (the proxy: 64 heads x 128)")
+    p.add_argument("--seq-len", type=at_least(1), default=8192)
+    p.add_argument("--channels", type=at_least(1), default=8192, help="one conv's channels (the proxy: 64 heads x 128)")
     p.add_argument("--docs", type=int, default=0, help="documents per row (0: one, no positions)")
     p.add_argument("--variant", action="append", default=[], help="another kernels module file to time")
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=at_least(1), default=50)
+    p.add_argument("--warmup", type=at_least(0), default=10)
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if not 0 <= a.docs <= a.seq_len:

@@ -10,17 +10,17 @@ import argparse
 import json
 
 import torch
-from cuda_timing import median_ms
+from cuda_timing import at_least, median_ms
 
 from torchtitan_glm.ops.linear_cross_entropy import linear_cross_entropy
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--dim", type=int, default=4096)
-    p.add_argument("--vocab", type=int, default=154880)
-    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--tokens", type=at_least(1), default=4096)
+    p.add_argument("--dim", type=at_least(1), default=4096)
+    p.add_argument("--vocab", type=at_least(1), default=154880)
+    p.add_argument("--reps", type=at_least(1), default=10)
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("scripts/bench_ce.py times CUDA kernels: no CUDA device is visible")

@@ -28,7 +28,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from cuda_timing import median_ms
+from cuda_timing import at_least, int_list, median_ms
 
 from torchtitan_glm.ops.masked_attention import masked_keys_per_query
 
@@ -143,10 +143,10 @@ def layer_variants(seqlen: int, device: str = "cuda", flavor: str = "glm5_3_flas
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-len", default="32768", help="comma-separated T values")
-    p.add_argument("--k", type=int, default=2051, help="tokens per query (index_topk + kpool - 1)")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seq-len", type=int_list(), default=(32768,), help="comma-separated T values")
+    p.add_argument("--k", type=at_least(1), default=2051, help="tokens per query (index_topk + kpool - 1)")
+    p.add_argument("--steps", type=at_least(1), default=10)
+    p.add_argument("--warmup", type=at_least(0), default=3)
     p.add_argument("--layer", action="store_true", help="also time the whole proxy SparseMLA block")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -154,7 +154,7 @@ def main() -> None:
               file=sys.stderr)
         sys.exit(2)
     rows = []
-    for seqlen in (int(s) for s in a.seq_len.split(",")):
+    for seqlen in a.seq_len:
         flops = attention_flops(seqlen, a.k)
         variants = attention_variants(seqlen, a.k)
         if a.layer:

@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from cuda_timing import backward_step, median_ms
+from cuda_timing import at_least, backward_step, int_list, median_ms
 
 
 def our_block(flavor: str, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
@@ -164,9 +164,9 @@ def profile(name: str, fn, *, rows: int = 20) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flavor", default="glm5_3_flash_proxy")
-    p.add_argument("--seq-len", default="8192", help="comma-separated Ts")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seq-len", type=int_list(), default=(8192,), help="comma-separated Ts")
+    p.add_argument("--steps", type=at_least(1), default=10)
+    p.add_argument("--warmup", type=at_least(0), default=3)
     p.add_argument("--json", default=None, help="also write the rows to this file")
     p.add_argument("--profile", action="store_true", help="print the CUDA kernels of each block's fwd + bwd")
     a = p.parse_args()
@@ -175,7 +175,7 @@ def main() -> int:
         return 2
     dtype, device = torch.bfloat16, "cuda"
     rows = []
-    for seq_len in (int(t) for t in a.seq_len.split(",")):
+    for seq_len in a.seq_len:
         fns, args = variants(a.flavor, seq_len, device, dtype, with_fla=True)
         base = None
         for name, fn in fns.items():

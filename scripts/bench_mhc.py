@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from cuda_timing import backward_step, median_ms
+from cuda_timing import at_least, backward_step, int_list, median_ms
 
 
 def merge_bmm(residual, block_out, post, comb):
@@ -68,15 +68,15 @@ def variants(seq_len: int, device: str, dtype: torch.dtype, *, flavor: str = "gl
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-len", default="4096", help="comma-separated Ts")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--seq-len", type=int_list(), default=(4096,), help="comma-separated Ts")
+    p.add_argument("--steps", type=at_least(1), default=20)
+    p.add_argument("--warmup", type=at_least(0), default=5)
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("bench_mhc.py times CUDA kernels: needs CUDA", file=sys.stderr)
         return 2
     rows = []
-    for seq_len in (int(t) for t in a.seq_len.split(",")):
+    for seq_len in a.seq_len:
         for name, fn in variants(seq_len, "cuda", torch.bfloat16).items():
             row = dict(seq_len=seq_len, variant=name, fwd_bwd_ms=round(median_ms(fn, steps=a.steps, warmup=a.warmup), 3))
             rows.append(row)

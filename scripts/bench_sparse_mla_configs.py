@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import torch
+from cuda_timing import at_least
 
 H, D = 64, 512
 
@@ -66,10 +67,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="", help="';'-separated BLOCK_H,BLOCK_K,num_warps,num_stages (default: the "
                                                  "kernel's autotuning list)")
-    p.add_argument("--seq-len", type=int, default=32768, help="T of the timing")
-    p.add_argument("--check-seq-len", type=int, default=2048, help="T of the check against the reference")
-    p.add_argument("--k", type=int, default=2051)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--seq-len", type=at_least(1), default=32768, help="T of the timing")
+    p.add_argument("--check-seq-len", type=at_least(1), default=2048, help="T of the check against the reference")
+    p.add_argument("--k", type=at_least(1), default=2051)
+    p.add_argument("--steps", type=at_least(1), default=10)
     p.add_argument("--one", default="", help=argparse.SUPPRESS)  # a child process: run this config only
     a = p.parse_args()
     if not torch.cuda.is_available():

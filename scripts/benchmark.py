@@ -16,8 +16,8 @@ out of memory prints a row marked OOM and the sweep goes on. A third field `fp8`
 converts the model to the FP8 serving split first (`--float8-recipe`; `--float8-moe-experts off` keeps the routed
 experts BF16, and each row counts what was converted). `--profile` adds one profiled step per run and
 prints its CUDA kernels by total time (on CPU its CPU ops; `--profile-rows N`, `--profile-match a,b` for the rows
-naming a or b and their summed self time, on CUDA the matching kernels'); `--memory-profile` (CUDA only) prints what is alive at
-each run's memory peak (or out-of-memory) by source line. `--recompute-modules kda,mhc` adds
+naming a or b and their summed self time, on CUDA the matching kernels'); `--memory-profile` (CUDA only) prints
+what is alive at each run's memory peak (or out-of-memory) by source line. `--recompute-modules kda,mhc` adds
 activation_checkpoint.recompute_modules to the selective runs (their AC column reads `selective+kda+mhc`). Prints one
 JSON line per run and a markdown table (its `MoE chunk` column is `--moe-chunk-tokens`); the proxy needs CUDA.
 
@@ -170,7 +170,7 @@ class CpuPeak(TorchDispatchMode):
 def make_inputs(*, vocab: int, seq_len: int, batch: int, docs: int,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random tokens (seeded, the same for every run and model), next-token labels (-100 across document ends and
-    at the row end) and equal-length document ids."""
+    at the row end) and document ids of equal lengths (to within one token)."""
     tokens = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
     labels = torch.roll(tokens, -1, 1)
     labels[:, -1] = -100
@@ -417,7 +417,8 @@ def main() -> None:
     p.add_argument("--flavor", default="glm5_3_flash_proxy")
     p.add_argument("--seq-len", default="4096", help="T, comma-separated Ts, or 'sweep' (4K, 8K, ..., 128K)")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--docs", type=int, default=1, help="documents packed in each row (equal lengths)")
+    p.add_argument("--docs", type=int, default=1,
+                   help="documents packed in each row (equal lengths, to within one token)")
     p.add_argument("--runs", default="eager:none,compiled:none,eager:full,compiled:full",
                    help="comma-separated mode:ac[:fp8] specs, mode in {eager, compiled}, ac in {none, full, selective, "
                         "auto}; a third field fp8 runs the FP8 serving split ([float8] defaults, --float8-recipe)")

@@ -1,13 +1,43 @@
-"""Median CUDA-event time of a callable, and the closing table, shared by the GPU micro-benchmarks (bench_dsa.py,
-bench_ce.py, bench_kda.py, bench_mhc.py, bench_optim.py)."""
+"""Median CUDA-event time of a callable, the closing table and argument types, shared by the GPU micro-benchmarks
+(bench_dsa.py, bench_ce.py, bench_kda.py, bench_mhc.py, bench_optim.py, bench_causal_conv.py,
+bench_sparse_mla_configs.py)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from typing import Callable
 
 import torch
+
+
+def at_least(least: int):
+    """argparse type: an integer >= least (a bad value is an argparse error, exit 2, before a GPU is asked for)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is below {least}")
+        return value
+
+    return parse
+
+
+def int_list(least: int = 1):
+    """argparse type: comma-separated integers, each >= least, at least one ("4096,8192")."""
+    one = at_least(least)
+
+    def parse(text: str) -> tuple[int, ...]:
+        items = text.split(",")
+        if not all(item.strip() for item in items):
+            raise argparse.ArgumentTypeError(f"{text!r} has an empty entry")
+        return tuple(one(item.strip()) for item in items)
+
+    return parse
 
 
 def median_ms(fn, *, steps: int, warmup: int) -> float:

@@ -36,15 +36,16 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """An invalid configuration. `key` is the dotted key (or section, or CLI argument); `source` says where the
-    offending value came from (config file, command line or default), always naming the config file if there is one."""
+    offending value came from (config file, command line or default), always naming the config file if there is one.
+    `host`: the value names something this machine lacks (a file), so the config may be right for another one."""
 
-    def __init__(self, key: str, message: str, source: str | None = None) -> None:
-        self.key, self.message, self.source = key, message, source
+    def __init__(self, key: str, message: str, source: str | None = None, *, host: bool = False) -> None:
+        self.key, self.message, self.source, self.host = key, message, source, host
         where = f" ({source})" if source else ""
         super().__init__(f"config error at `{key}`{where}: {message}")
 
     def with_source(self, source: str) -> "ConfigError":
-        return ConfigError(self.key, self.message, source)
+        return ConfigError(self.key, self.message, source, host=self.host)
 
 
 class _Section:
@@ -76,7 +77,8 @@ class _Section:
         if not os.path.exists(path):
             from torchtitan_glm.components.data import glob_hint  # data.py imports this module
 
-            self._fail(key, f"path does not exist: {path}" + (glob_hint(path) if key == "paths" else ""))
+            raise ConfigError(f"{self.SECTION}.{key}",
+                              f"path does not exist: {path}" + (glob_hint(path) if key == "paths" else ""), host=True)
 
 
 @dataclass(frozen=True)
@@ -286,7 +288,7 @@ class DataConfig(_Section):
         if self.tokenizer != "byte":
             self._path_exists("tokenizer", self.tokenizer)
             if os.path.isdir(self.tokenizer) and not os.path.isfile(os.path.join(self.tokenizer, "tokenizer.json")):
-                self._fail("tokenizer", f"directory {self.tokenizer} has no tokenizer.json")
+                raise ConfigError("data.tokenizer", f"directory {self.tokenizer} has no tokenizer.json", host=True)
         self._require(bool(self.text_key), "text_key", "must be non-empty")
         self._choice("bin_dtype", ("uint16", "uint32"))
         self._choice("errors", ("strict", "skip", "replace"))
@@ -506,6 +508,13 @@ class Float8Config(_Section):
             if role not in FLOAT8_ROLES:
                 self._fail("keep_bf16", f"unknown role {role!r}; roles are {list(FLOAT8_ROLES)}")
         self._require(len(set(self.keep_bf16)) == len(self.keep_bf16), "keep_bf16", "has duplicates")
+
+    def idle_keys(self) -> str:
+        """A warning when a key asks for FP8 work while float8.enable is false (the key does nothing); empty
+        otherwise. A warning, not an error: turning FP8 off on the command line should not need its keys undone."""
+        if self.enable or not self.fsdp_float8_all_gather:
+            return ""
+        return "float8.fsdp_float8_all_gather = true does nothing while float8.enable is false: nothing is in FP8"
 
 
 _HF_MODEL_TYPES = ("glm5_next", "glm5_next_text")
@@ -970,8 +979,10 @@ def _help_text(section_only: str | None = None) -> str:
 def load_config(argv: list[str] | None = None) -> JobConfig:
     """Parse `--config path.toml`, `--print-config` and `--section.key value` overrides into a validated JobConfig.
 
-    `--print-config` prints the merged config as TOML, then checks it: exit 0 when valid, else the ConfigError (a
-    config for another machine, e.g. its data paths, still prints); `--help` lists every key and exits 0 (`--help SECTION`: that section's description too).
+    `--print-config` checks the merged config and prints it as TOML: exit 0 when valid; an invalid config prints
+    nothing and raises its ConfigError, except one whose only fault is a file this host lacks (a config for another
+    machine, e.g. its data paths), which prints, then raises. `--help` lists every key and exits 0 (`--help SECTION`:
+    that section's description too).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     config_path, print_config, want_help, overrides = _parse_argv(argv)
@@ -1019,14 +1030,16 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     cfg = JobConfig(**{s: cls(**_pack_extra(cls, values[s])) for s, cls in _SECTIONS.items()})
     default_note = "default value" + (f"; {file_note}" if file_note else "")
     object.__setattr__(cfg, "_origins", {**origin, "": default_note})  # not a field: the config is what it holds
-    if print_config:  # printed before the checks, so a config for another machine (its data paths) still shows
-        print(cfg.to_toml(), end="")
-        sys.stdout.flush()
     try:
         cfg.validate()
     except ConfigError as e:
+        if print_config and e.host:  # a config for another machine (its data paths) still shows
+            print(cfg.to_toml(), end="")
+            sys.stdout.flush()
         raise cfg.with_source(e) from None
     if print_config:
+        print(cfg.to_toml(), end="")
+        sys.stdout.flush()
         raise SystemExit(0)
     return cfg
 

@@ -268,8 +268,9 @@ class Trainer:
             print(self.float8.line(), flush=True)
             if self.float8.left_line():
                 print(self.float8.left_line(), flush=True)
-            if self.float8.nothing_converted():
-                logger.warning(self.float8.nothing_converted())
+            for warning in (self.float8.nothing_converted(), cfg.float8.idle_keys()):
+                if warning:
+                    logger.warning(warning)
         configure_inductor_for_float8(cfg=cfg.float8)
         small = sum(p.numel() for p in model.parameters()) <= _MATERIALIZE_INIT_MAX_PARAMS
         if small:

@@ -292,6 +292,29 @@ def test_profile_match_sums_kernels_once_on_cuda(monkeypatch):
     assert bench.matched_self_us([op, kernel, other], cuda=False) == 4077.0
 
 
+def test_micro_benchmark_argument_types(monkeypatch):
+    """The GPU micro-benchmarks' integer flags: a non-integer, a value below the floor or an empty list entry is an
+    argparse error (exit 2) before any CUDA check."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    from cuda_timing import at_least, int_list
+
+    assert at_least(0)("0") == 0 and int_list()("4096, 8192") == (4096, 8192)
+    for parse, text in ((at_least(1), "0"), (at_least(0), "-1"), (at_least(1), "2.5"), (int_list(), "4096,"),
+                        (int_list(), "abc"), (int_list(), "8192,0")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)
+
+
+@pytest.mark.parametrize("script,args,named", [
+    ("bench_dsa.py", ("--seq-len", "4096,"), "--seq-len"), ("bench_dsa.py", ("--steps", "0"), "--steps"),
+    ("bench_kda.py", ("--seq-len", "abc"), "--seq-len"), ("bench_causal_conv.py", ("--warmup", "-1"), "--warmup")])
+def test_micro_benchmarks_refuse_bad_flags_before_asking_for_cuda(script, args, named):
+    proc = _run(f"scripts/{script}", *args, timeout=120)
+    assert proc.returncode == 2 and f"argument {named}" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_help_cites_files_of_the_repository_and_the_tie_caveat():
     import re
 

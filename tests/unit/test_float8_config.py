@@ -148,9 +148,20 @@ def test_print_config_shows_a_config_for_another_machine_then_names_what_fails_h
     check fails naming the key (it printed nothing before)."""
     with pytest.raises(ConfigError) as info:
         load_config(["--config", "train_configs/glm5_3_flash.toml", "--print-config"])
-    assert info.value.key == "data.paths"
+    assert info.value.key == "data.paths" and info.value.host
     out = capsys.readouterr().out
     assert "[model]" in out and 'flavor = "glm5_3_flash"' in out, out[:500]
+
+
+def test_print_config_prints_nothing_for_an_invalid_config(capsys):
+    """`--print-config > cfg.toml` must not leave a file that looks valid: a fault of the config itself (here an
+    unknown role, or an unknown flavor) prints nothing; only a file this host lacks still lets the config show."""
+    for argv, key in ((["--float8.keep_bf16", "foo"], "float8.keep_bf16"),
+                      (["--model.flavor", "nosuch"], "model.flavor")):
+        with pytest.raises(ConfigError) as info:
+            load_config(["--config", "train_configs/debug_model.toml", "--print-config", *argv])
+        assert info.value.key == key and not info.value.host
+        assert capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize("argv, key", [
@@ -163,3 +174,12 @@ def test_compile_settings_that_would_be_ignored_name_the_key(argv, key):
     with pytest.raises(ConfigError) as info:
         load_config(["--config", "train_configs/debug_model.toml", *argv])
     assert info.value.key == key, info.value
+
+
+def test_fp8_all_gather_without_fp8_is_a_warning_not_silence():
+    """fsdp_float8_all_gather = true while float8.enable is false does nothing: the trainer warns (train.py logs
+    idle_keys at start-up); with FP8 on, or the key off, there is nothing to say."""
+    idle = load_config(["--float8.fsdp_float8_all_gather", "true"]).float8.idle_keys()
+    assert "float8.fsdp_float8_all_gather" in idle and "float8.enable is false" in idle
+    assert load_config(["--float8.enable", "true", "--float8.fsdp_float8_all_gather", "true"]).float8.idle_keys() == ""
+    assert load_config([]).float8.idle_keys() == ""
