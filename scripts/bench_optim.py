@@ -105,6 +105,9 @@ def _kernels(opt, codes: str, **launch):
 
 
 def main() -> int:
+    from torchtitan_glm.components.logs import drop_benign_warnings
+
+    drop_benign_warnings()  # before torchao is imported (its import warns)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="train_configs/glm5_3_flash_proxy.toml")
     p.add_argument("--optimizers", default="AdamW8bit:fused,AdamW8bit:compiled,AdamWFp8:fused,AdamWFp8:compiled",

@@ -59,18 +59,21 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from torchtitan_glm.activation_checkpoint import RECOMPUTE_MODULES, apply_activation_checkpointing
-from torchtitan_glm.compile import apply_compile
-from torchtitan_glm.components.cuda_alloc import default_alloc_conf
-from torchtitan_glm.components.loss import indexer_kl_loss
-from torchtitan_glm.components.memory_peak import print_breakdown, recording
-from torchtitan_glm.components.metrics import flops_per_token
-from torchtitan_glm.config import Float8Config
-from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8
-from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs, get_flavor
-from torchtitan_glm.models.glm5.args import FLAVORS
-from torchtitan_glm.models.glm5.batch import train_batch
-from torchtitan_glm.models.glm5.hf_modeling import modeling_to_ours
+from torchtitan_glm.components.logs import drop_benign_warnings
+
+drop_benign_warnings()  # before torchao is imported (its import warns)
+from torchtitan_glm.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
+from torchtitan_glm.compile import apply_compile  # noqa: E402
+from torchtitan_glm.components.cuda_alloc import default_alloc_conf  # noqa: E402
+from torchtitan_glm.components.loss import indexer_kl_loss  # noqa: E402
+from torchtitan_glm.components.memory_peak import print_breakdown, recording  # noqa: E402
+from torchtitan_glm.components.metrics import flops_per_token  # noqa: E402
+from torchtitan_glm.config import ActivationCheckpointConfig, ConfigError, Float8Config  # noqa: E402
+from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8  # noqa: E402
+from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs, get_flavor  # noqa: E402
+from torchtitan_glm.models.glm5.args import FLAVORS  # noqa: E402
+from torchtitan_glm.models.glm5.batch import train_batch  # noqa: E402
+from torchtitan_glm.models.glm5.hf_modeling import modeling_to_ours  # noqa: E402
 
 
 SWEEP = (4096, 8192, 16384, 32768, 65536, 131072)
@@ -424,7 +427,7 @@ def main() -> None:
                         "auto}; a third field fp8 runs the FP8 serving split ([float8] defaults, --float8-recipe)")
     p.add_argument("--recompute-modules", default="",
                    help="activation_checkpoint.recompute_modules for the selective runs, comma-separated (kda, mhc, "
-                        "indexer, mla_up_proj, sparse_attn, moe, mlp)")
+                        "indexer, mla_up_proj, sparse_attn, moe, mlp; moe_act, as train.py takes it)")
     p.add_argument("--moe-chunk-tokens", type=int, default=0,
                    help="activation_checkpoint.moe_chunk_tokens: routed experts over checkpointed token chunks (0 = off)")
     p.add_argument("--offload-inputs", action="store_true",
@@ -476,9 +479,10 @@ def main() -> None:
         a.scope = "reference"
     a.scope = a.scope or "train"
     recompute = tuple(m for m in a.recompute_modules.split(",") if m)
-    unknown = set(recompute) - set(RECOMPUTE_MODULES)
-    if unknown:
-        p.error(f"--recompute-modules: unknown {sorted(unknown)}; choose from {list(RECOMPUTE_MODULES)}")
+    try:  # the trainer's own check of the names (moe_act accepted, duplicates refused)
+        ActivationCheckpointConfig(mode="selective", recompute_modules=list(recompute)).validate()
+    except ConfigError as e:
+        p.error(f"--recompute-modules: {e.message}")
     try:
         seq_lens = SWEEP if a.seq_len == "sweep" else tuple(int(t) for t in a.seq_len.split(","))
     except ValueError:

@@ -26,6 +26,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from torchtitan_glm.components.logs import drop_benign_warnings  # noqa: E402
+
+drop_benign_warnings()  # before the planner imports torchao, whose import warns
 from torchtitan_glm.config import ConfigError, main_guard  # noqa: E402
 from torchtitan_glm.planner import PlanError, Request, get_gpu, plan, search  # noqa: E402
 from torchtitan_glm.planner.memory import SCOPES  # noqa: E402

@@ -23,6 +23,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from torchtitan_glm.components.logs import drop_benign_warnings  # noqa: E402
+
+drop_benign_warnings()  # before torchao is imported (its import warns)
 from torchtitan_glm.components.data import build_dataloader  # noqa: E402
 from torchtitan_glm.components.tokenizer import build_tokenizer  # noqa: E402
 from torchtitan_glm.config import DataConfig, Float8Config  # noqa: E402

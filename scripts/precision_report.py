@@ -21,6 +21,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from torchtitan_glm.components.logs import drop_benign_warnings  # noqa: E402
+
+drop_benign_warnings()  # before torchao is imported (its import warns)
 from torchtitan_glm.components.metrics import flops_per_token  # noqa: E402
 from torchtitan_glm.config import load_config, main_guard  # noqa: E402
 from torchtitan_glm.float8 import convert_float8, param_precisions  # noqa: E402

@@ -48,6 +48,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from torchtitan_glm.components.logs import drop_benign_warnings  # noqa: E402
+
+drop_benign_warnings()  # before torchao is imported (its import warns)
 from torchtitan_glm.config import Float8Config  # noqa: E402
 from torchtitan_glm.float8 import convert_float8  # noqa: E402
 from torchtitan_glm.models.glm5 import Glm5Model, get_flavor  # noqa: E402

@@ -22,7 +22,8 @@ from torchtitan_glm.components.cuda_alloc import default_alloc_conf, limit_devic
 from torchtitan_glm.components.data import build_dataloader
 from torchtitan_glm.components.errors import (CheckpointError, NonFiniteError, ResumeMismatchError, is_expected,
                                               one_line, run_job)
-from torchtitan_glm.components.logs import device_memory, host_available_memory, init_logging, startup_summary
+from torchtitan_glm.components.logs import (device_memory, format_bytes, host_available_memory, init_logging,
+                                           startup_summary)
 from torchtitan_glm.components.lr_scheduler import build_lr_scheduler
 from torchtitan_glm.components.metrics import (
     DeviceMemoryMonitor, build_metrics_logger, flops_per_token, format_step_line, get_peak_flops, throughput,
@@ -195,19 +196,24 @@ def check_offload_host_memory(cfg: JobConfig, args: Glm5ModelArgs, *, cp: int, l
 def planned_rows(argv: list[str] | None, *, gpus: int, device_bytes: int | None,
                  device_name: str = "") -> tuple[str | None, str | None]:
     """The planner's figures for this run (scripts/plan.py on the same arguments), for the start-up summary: (the
-    allocated peak with its parts against the device's memory, the step time and tokens/s). None without a GPU (the
-    plan is of CUDA kernels) or arguments; the speed only on an H200, whose kernel rates the planner holds. A plan
-    the planner cannot make says why instead (it never stops the run)."""
-    if argv is None or device_bytes is None:
+    allocated peak with its parts against the device's memory, the step time and tokens/s). Without a GPU
+    (device_bytes None) the activations and the peak alone: the planner's saved-tensor inventories are the ones its
+    tests capture on CPU, its times are of CUDA kernels. None without arguments; the speed only on an H200, whose
+    kernel rates the planner holds. A plan the planner cannot make says why instead (it never stops the run)."""
+    if argv is None:
         return None, None
     from torchtitan_glm.planner import Request, get_gpu, plan
     from torchtitan_glm.planner.hardware import GIB
 
+    gpu = get_gpu("h200") if device_bytes is None else get_gpu("h200", memory_bytes=device_bytes)
     try:
-        p = plan(Request(tuple(argv), gpus, get_gpu("h200", memory_bytes=device_bytes), "train"))
+        p = plan(Request(tuple(argv), gpus, gpu, "train"))
     except Exception as e:  # noqa: BLE001 - a summary row, not a check
         return f"not planned ({one_line(e)})", None
     m, t = p.memory, p.time
+    if device_bytes is None:
+        return (f"activations {format_bytes(m.breakdown.get('activations', 0))} kept for backward at the allocated "
+                f"peak of {format_bytes(m.peak)} ({m.peak_at}; scripts/plan.py)"), None
     parts = " | ".join(f"{k} {v / GIB:.1f}" for k, v in m.breakdown.items() if v)
     peak = (f"{m.peak / GIB:.1f} GiB allocated at {m.peak_at}, reserve {m.reserved / GIB:.1f} GiB, of the device's "
             f"{device_bytes / GIB:.1f} (GiB: {parts}; scripts/plan.py)")
@@ -475,7 +481,7 @@ class Trainer:
         if restored is not None and restored >= cfg.training.steps:
             return []
         if self.rank == 0:
-            device_bytes = device_memory(self.device)  # None off CUDA: no planned figures, nothing pinned
+            device_bytes = device_memory(self.device)  # None off CUDA: planned activations only, nothing pinned
             peak, speed = planned_rows(self.argv, gpus=self.world, device_bytes=device_bytes,
                                        device_name=torch.cuda.get_device_name(self.device) if device_bytes else "")
             logger.info(startup_summary(cfg=cfg, args=self.args, model=self.model, world=self.world,

@@ -21,14 +21,14 @@ def test_benchmark_script_writes_one_row_per_run(tmp_path, scope):
     proc = subprocess.run(
         [sys.executable, "scripts/benchmark.py", "--flavor", "debug", "--seq-len", "64", "--steps", "1",
          "--warmup", "1", "--runs", "eager:none,eager:selective:fp8", "--scope", scope, "--out", str(out),
-         "--recompute-modules", "kda,mhc", "--dsa-dense-max-len", "0,64", "--dtype", "float32"],
+         "--recompute-modules", "kda,mhc,moe_act", "--dsa-dense-max-len", "0,64", "--dtype", "float32"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": str(REPO), "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [(r["mode"], r["ac"], r["scope"], r["float8"], r["dsa_dense_max_len"]) for r in rows] == [
-        ("eager", "none", scope, "off", 0), ("eager", "selective+kda+mhc", scope, "tensorwise", 0),
-        ("eager", "none", scope, "off", 64), ("eager", "selective+kda+mhc", scope, "tensorwise", 64)]
+        ("eager", "none", scope, "off", 0), ("eager", "selective+kda+mhc+moe_act", scope, "tensorwise", 0),
+        ("eager", "none", scope, "off", 64), ("eager", "selective+kda+mhc+moe_act", scope, "tensorwise", 64)]
     assert all(r["tokens_per_s"] > 0 and r["step_ms"] > 0 for r in rows)
     # what each row converted, counted from its model: nothing BF16; the serving split's Linears and the experts
     assert [(r["float8_linears"] > 0, r["float8_expert_weights"] > 0) for r in rows] == [
@@ -172,6 +172,8 @@ def test_benchmark_against_transformers_refuses_train_scope():
     (("--runs", "eager:foo"), "--runs"), (("--runs", "eager"), "--runs"), (("--runs", "eager:none:fp16"), "--runs"),
     (("--seq-len", "4k"), "--seq-len"), (("--moe-chunk-tokens", "-3"), "--moe-chunk-tokens"),
     (("--recompute-modules", "kda", "--runs", "eager:none"), "--recompute-modules"),
+    (("--recompute-modules", "kda,kda", "--runs", "eager:selective"), "has duplicates"),
+    (("--recompute-modules", "nosuch", "--runs", "eager:selective"), "unknown module 'nosuch'"),
     (("--offload-inputs", "--runs", "eager:selective"), "--offload-inputs"),
     (("--seq-len", "128", "--docs", "65"), "--docs"), (("--flavor", "nosuch"), "--flavor"),
     (("--out", "/nonexistent/folder/rows.json"), "--out"),

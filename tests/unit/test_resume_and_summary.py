@@ -246,7 +246,13 @@ def test_planned_rows_are_the_planners_and_never_stop_the_run():
     assert speed.startswith(f"{want.time.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, {want.time.step_s:.3f} s")
     # the speed only where the planner's kernel rates were measured; nothing without a GPU (CPU) or arguments
     assert planned_rows(argv, gpus=1, device_bytes=int(H200.memory_bytes), device_name="NVIDIA A100")[1] is None
-    assert planned_rows(argv, gpus=1, device_bytes=None) == (None, None)
+    # without a GPU: the activations the planner counts (its inventories are the CPU captures'), no speed
+    cpu_row, cpu_speed = planned_rows(argv, gpus=1, device_bytes=None)
+    from torchtitan_glm.components.logs import format_bytes
+
+    assert cpu_speed is None and cpu_row == (
+        f"activations {format_bytes(m.breakdown['activations'])} kept for backward at the allocated peak of "
+        f"{format_bytes(m.peak)} ({m.peak_at}; scripts/plan.py)")
     assert planned_rows(None, gpus=1, device_bytes=int(H200.memory_bytes)) == (None, None)
     bad, no_speed = planned_rows([*argv, "--optimizer.cpu_offload", "true", "--optimizer.name", "AdamW"], gpus=1,
                                  device_bytes=int(H200.memory_bytes), device_name="NVIDIA H200")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 __all__ = [
-    "init_logging", "format_block", "format_count", "format_bytes", "precision_line", "local_shard",
+    "drop_benign_warnings", "init_logging", "format_block", "format_count", "format_bytes", "precision_line", "local_shard",
     "memory_per_rank", "device_memory", "loss_buffers", "data_line", "startup_summary",
 ]
 
@@ -39,14 +39,20 @@ class _DropBenign(logging.Filter):
         return not all(f in str(record.msg) for f in self.fragments)
 
 
-def init_logging(*, rank: int) -> None:
-    """The package's loggers print to stdout: INFO and up on rank 0, WARNING and up (prefixed by the rank)
-    elsewhere, so a multi-rank job logs once; the known-benign third-party warnings above are dropped. Idempotent;
-    the root logger is left alone."""
+def drop_benign_warnings() -> None:
+    """Filter the known-benign third-party warnings above out of their loggers (before those libraries are
+    imported: torchao warns at import). Idempotent; the scripts that import torchao call it too."""
     for name, fragments in _BENIGN_WARNINGS:
         other = logging.getLogger(name)
         if not any(isinstance(f, _DropBenign) for f in other.filters):
             other.addFilter(_DropBenign(fragments))
+
+
+def init_logging(*, rank: int) -> None:
+    """The package's loggers print to stdout: INFO and up on rank 0, WARNING and up (prefixed by the rank)
+    elsewhere, so a multi-rank job logs once; the known-benign third-party warnings above are dropped. Idempotent;
+    the root logger is left alone."""
+    drop_benign_warnings()
     log = logging.getLogger(_PACKAGE)
     for h in list(log.handlers):
         if getattr(h, "_torchtitan_glm", False):
@@ -257,7 +263,7 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
         ("compute", compute_line(cfg)),
         ("memory/rank", f"params {format_bytes(mem['params'])}, grads {format_bytes(mem['grads'])}, optimizer "
                         f"{format_bytes(mem['optimizer'])} ({opt.name}, {step_impl} step; sharded state{where}); "
-                        "activations not included"),
+                        "activations not included" + ("; planned below" if planned else "")),
         *([("planned peak", planned)] if planned else []),
         *([("planned speed", planned_speed)] if planned_speed else []),
         *([("host offload", f"{format_bytes(host_pinned)} pinned host memory per rank for the checkpointed blocks' "
