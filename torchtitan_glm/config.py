@@ -980,7 +980,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     """Parse `--config path.toml`, `--print-config` and `--section.key value` overrides into a validated JobConfig.
 
     `--print-config` checks the merged config and prints it as TOML: exit 0 when valid; an invalid config prints
-    nothing and raises its ConfigError, except one whose only fault is a file this host lacks (a config for another
+    nothing and raises its ConfigError, except one that fails on a file this host lacks (a config for another
     machine, e.g. its data paths), which prints, then raises. `--help` lists every key and exits 0 (`--help SECTION`:
     that section's description too).
     """

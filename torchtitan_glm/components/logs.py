@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 __all__ = [
-    "drop_benign_warnings", "init_logging", "format_block", "format_count", "format_bytes", "precision_line", "local_shard",
-    "memory_per_rank", "device_memory", "loss_buffers", "data_line", "startup_summary",
+    "drop_benign_warnings", "init_logging", "format_block", "format_count", "format_bytes", "precision_line",
+    "local_shard", "memory_per_rank", "device_memory", "loss_buffers", "data_line", "startup_summary",
 ]
 
 _PACKAGE = "torchtitan_glm"
