@@ -20,6 +20,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cuda_timing, when loaded by path
+
+from cuda_timing import at_least, int_list  # noqa: E402
 
 from torchtitan_glm.components.logs import host_available_memory  # noqa: E402
 from torchtitan_glm.models.glm5 import Glm5Model, from_pretrained, get_flavor  # noqa: E402
@@ -61,24 +64,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--flavor", default="glm5_3_flash_proxy")
     p.add_argument("--hf", default=None)
-    p.add_argument("--batch", default="1,64", help="comma-separated batch sizes")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--batch", type=int_list(), default=(1, 64), help="comma-separated batch sizes")
+    p.add_argument("--prompt-len", type=at_least(1), default=512)
+    p.add_argument("--steps", type=at_least(1), default=64)
+    p.add_argument("--warmup", type=at_least(0), default=4)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    try:
-        batches = [int(x) for x in a.batch.split(",")]
-    except ValueError:
-        p.error(f"--batch must be comma-separated integers, got {a.batch!r}")
-    if min(batches) < 1:
-        p.error(f"--batch sizes must be >= 1, got {a.batch!r}")
-    for flag, value, least in (("--prompt-len", a.prompt_len, 1), ("--steps", a.steps, 1),
-                               ("--warmup", a.warmup, 0)):
-        if value < least:
-            p.error(f"{flag} must be >= {least}, got {value}")
+    batches = list(a.batch)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {a.device}: no CUDA device is visible (use --device cpu)")
     if a.hf and not os.path.exists(a.hf):

@@ -23,7 +23,7 @@ import sys
 import torch
 from torch import nn
 
-from cuda_timing import median_ms, print_table
+from cuda_timing import at_least, median_ms, print_table
 
 _BYTES = {"AdamW": 28, "AdamW8bit": 16, "AdamWFp8": 16}
 _SHAPES = ((8, 4), (4, 4), (2, 4), (1, 4), (1, 2), (2, 8))  # the kernel-alone rows' (blocks per program, warps)
@@ -113,17 +113,14 @@ def main() -> int:
     p.add_argument("--optimizers", default="AdamW8bit:fused,AdamW8bit:compiled,AdamWFp8:fused,AdamWFp8:compiled",
                    help="comma-separated name:implementation ([optimizer] name and implementation)")
     p.add_argument("--max-elements", type=float, default=None, help="cap on the parameters' elements (model order)")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=at_least(1), default=10)
+    p.add_argument("--warmup", type=at_least(1), default=3, help=">= 1: the first step creates the states")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--kernel-rows", default="all",
                    help="AdamW8bit:fused's kernel-alone rows: comma-separated codes:blocks x warps (e.g. "
                         "checked:1x2,search:8x4), 'all' (every code search at each of "
                         + " ".join(f"{r}x{w}" for r, w in _SHAPES) + ") or 'none'")
     a, overrides = p.parse_known_args()  # the rest: config overrides, e.g. --training.seq_len 8192
-    if a.steps < 1 or a.warmup < 1:
-        print("--steps and --warmup must be >= 1 (the first step creates the states)", file=sys.stderr)
-        return 2
     from torchtitan_glm.config import ConfigError, OptimizerConfig
     from torchtitan_glm.ops.adamw_lowbit import CODE_SEARCHES
 

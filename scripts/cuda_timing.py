@@ -1,6 +1,6 @@
 """Median CUDA-event time of a callable, the closing table and argument types, shared by the GPU micro-benchmarks
 (bench_dsa.py, bench_ce.py, bench_kda.py, bench_mhc.py, bench_optim.py, bench_causal_conv.py,
-bench_sparse_mla_configs.py)."""
+bench_sparse_mla_configs.py; bench_decode.py its argument types)."""
 
 from __future__ import annotations
 

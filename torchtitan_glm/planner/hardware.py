@@ -92,7 +92,8 @@ H200 = GpuSpec(
     # The routed experts' FP8 split on an H100 (docs/performance.md, twenty-third session; proxy, reference scope,
     # T = 4,096, 1,024 rows per expert): the grouped GEMM kernels took 38.24 ms in BF16 and 26.75 ms in FP8 (1.43x),
     # yet the step took 17.14 ms longer; the 28.6 ms difference is torchao's casts moving 50.3 GB (timing.py's
-    # expert_fp8_cast_bytes) at 1.76 TB/s, 0.52 of the H100's 3.35 TB/s. Not measured on the H200: the same kernel
+    # expert_fp8_cast_bytes) at 1.76 TB/s, 0.52 of the H100's 3.35 TB/s. The cast kernels themselves, profiled on
+    # another H100 (twenty-fourth session), sum to 27.91 ms: 0.54. Not measured on the H200: the same kernel
     # speed-up and fraction assumed.
     fp8_speedup_grouped=1.43,
     fp8_cast_efficiency=0.52,
