@@ -3,7 +3,8 @@
 # with and without AC) and a short GPU training run (NCCL, BF16 mixed precision, inductor). Logs go to $OUT.
 #   OUT=./gpu_out bash scripts/gpu_checks.sh            (on the GPU machine, FLA/torchao importable)
 #   STAGES="tests" / "bench" / "fp8" / "train" select parts; *_TIMEOUT bound each part. fp8: the CUDA FP8 tests,
-#   scripts/precision_agreement.py on the proxy, and BF16 vs FP8-split benchmark runs (FP8_RUNS, FP8_SEQ, FP8_SCOPE).
+#   scripts/precision_agreement.py on the proxy, and BF16 vs FP8-split benchmark runs (FP8_RUNS, FP8_SEQ, FP8_SCOPE;
+#   alone: fp8bench).
 #   longctx: the Triton sparse-MLA tests, scripts/bench_dsa.py (DSA_SEQ; alone: dsa) and the proxy's sequence-length
 #   sweep with the sparse indexer KL (SWEEP_SEQ, SWEEP_RUNS, SWEEP_KL, SWEEP_MOE_CHUNK, SWEEP_OFFLOAD=1 for the full-AC
 #   blocks' inputs in host memory; alone: sweep; one compile per T, so split long compiled sweeps across calls;
@@ -84,7 +85,9 @@ case " $STAGES " in *" fp8 "*)
   timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/gpu/test_float8_cuda.py -p no:cacheprovider 2>&1 \
       | tee "$OUT/fp8_tests.log"
   timeout 200 python3 scripts/precision_agreement.py --seq-len 4096 --json "$OUT/agreement.json" 2>&1 \
-      | tee "$OUT/agreement.log"
+      | tee "$OUT/agreement.log" ;;
+esac
+case " $STAGES " in *" fp8 "*|*" fp8bench "*)
   timeout "${BENCH_TIMEOUT:-400}" python3 scripts/benchmark.py --flavor glm5_3_flash_proxy --seq-len "${FP8_SEQ:-4096}" \
       --steps 4 --warmup 2 --runs "${FP8_RUNS:-compiled:selective,compiled:selective:fp8}" --scope "${FP8_SCOPE:-train}" \
       --out "$OUT/bench_fp8.json" 2>&1 | tee "$OUT/bench_fp8.log" ;;
