@@ -1,0 +1,119 @@
+"""The sparse attention backward's machine code per config, on the CPU: registers, spills, shared memory and the
+dkv adds as the GPU runs them (no GPU needed: Triton compiles for sm_90 and its bundled ptxas and cuobjdump read
+the result). For choosing configs before a GPU session; the timings come from bench_sparse_mla_configs.py.
+
+    python scripts/sparse_mla_sass.py                                  # the kernel's autotuning list
+    python scripts/sparse_mla_sass.py --configs "64,32,16,2;32,32,8,2"
+
+A config is BLOCK_H,BLOCK_K,num_warps,num_stages; GLM-5.3-Flash's shapes (K = 2,051, D = 512), pointers and
+strides 16-divisible as the GPU specialises them. Prints one JSON line per config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+NAMES = ["Q", "KV", "IDX", "OUT", "DO", "LSE", "DQ", "DKV", "T", "H", "scale", "scale_log2e",
+         "sq_b", "sq_t", "sq_h", "so_b", "so_t", "so_h", "sdo_b", "sdo_t", "sdo_h", "sdq_b", "sdq_t", "sdq_h",
+         "skv_b", "skv_t", "si_b", "si_t", "sl_b", "sl_t"]
+TYPES = ["*bf16", "*bf16", "*i32", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "i32", "i32", "fp32", "fp32"] + ["i32"] * 18
+
+
+def compile_bwd(block_h: int, block_k: int, num_warps: int, num_stages: int, *, k: int = 2051, d: int = 512):
+    """ops/sparse_mla_triton.py's backward kernel compiled for sm_90 (Triton's CompiledKernel: .asm, .metadata)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from torchtitan_glm.ops.sparse_mla_triton import _bwd_kernel
+
+    sig = dict(zip(NAMES, TYPES)) | dict.fromkeys(["K", "D", "BLOCK_D", "PRECISION", "BLOCK_H", "BLOCK_K"], "constexpr")
+    constexprs = dict(K=k, D=d, BLOCK_D=triton.next_power_of_2(d), PRECISION="tf32", BLOCK_H=block_h, BLOCK_K=block_k)
+    divisible = [i for i, n in enumerate(NAMES) if n not in ("H", "scale", "scale_log2e")]
+    src = ASTSource(fn=_bwd_kernel, signature=sig, constexprs=constexprs,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def ptx_global_adds(ptx: str) -> Counter:
+    """FP32 adds to global memory in PTX, by (instruction, width): ("atom" | "red", "v4.f32" | "f32")."""
+    return Counter(re.findall(r"\b(atom|red)\.global\.gpu\.relaxed\.add\.(v4\.f32|f32)\b", ptx))
+
+
+def _ptxas() -> str:
+    """The ptxas Triton itself runs for sm_90 (Triton 3.9 uses its newer `ptxas-blackwell` there)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(90).path
+
+
+def sass_global_adds(cubin: bytes) -> Counter:
+    """Adds to global memory in the machine code, by SASS instruction (REDG returns nothing, ATOMG the old value)."""
+    cuobjdump = Path(_ptxas()).with_name("cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.cubin").write_bytes(cubin)
+        sass = subprocess.run([str(cuobjdump), "-sass", str(Path(tmp) / "k.cubin")], capture_output=True, text=True,
+                              check=True).stdout
+    return Counter(re.findall(r"\b((?:REDG|ATOMG)\.E\.ADD\S*)", sass))
+
+
+def ptxas_usage(ptx: str) -> dict:
+    """Registers and spill bytes from `ptxas -v` for the PTX's own target."""
+    target = next(line.split()[1] for line in ptx.splitlines() if line.startswith(".target"))
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.ptx").write_text(ptx)
+        log = subprocess.run([_ptxas(), "-v", f"--gpu-name={target}", str(Path(tmp) / "k.ptx"),
+                              "-o", str(Path(tmp) / "k.cubin")], capture_output=True, text=True, check=True).stderr
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return dict(registers=int(re.search(r"Used (\d+) registers", log).group(1)),
+                spill_store_bytes=int(spills.group(1)), spill_load_bytes=int(spills.group(2)))
+
+
+def report(cfg: tuple[int, int, int, int], *, k: int, d: int) -> dict:
+    kernel = compile_bwd(*cfg, k=k, d=d)
+    ptx = kernel.asm["ptx"]
+    return dict(config=list(cfg), **ptxas_usage(ptx), shared_bytes=kernel.metadata.shared,
+                wgmma=len(re.findall(r"\bwgmma\.mma_async", ptx)),
+                ptx_adds={f"{op}.{w}": n for (op, w), n in ptx_global_adds(ptx).items()},
+                sass_adds=dict(sass_global_adds(kernel.asm["cubin"])))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="", help="';'-separated BLOCK_H,BLOCK_K,num_warps,num_stages (default: the "
+                                                 "kernel's autotuning list)")
+    p.add_argument("--k", type=int, default=2051)
+    p.add_argument("--d", type=int, default=512)
+    a = p.parse_args()
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("sparse_mla_sass.py: needs triton (pip install triton), no GPU", file=sys.stderr)
+        sys.exit(2)
+    if a.configs:
+        try:
+            configs = [tuple(int(x) for x in c.split(",")) for c in a.configs.split(";")]
+        except ValueError:
+            configs = []
+        if not configs or any(len(c) != 4 for c in configs):
+            p.error(f"--configs {a.configs!r}: each config is four integers BLOCK_H,BLOCK_K,num_warps,num_stages")
+    else:
+        from torchtitan_glm.ops.sparse_mla_triton import _BWD_CONFIGS
+        configs = [(c.kwargs["BLOCK_H"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) for c in _BWD_CONFIGS]
+    for cfg in configs:
+        try:
+            print(json.dumps(report(cfg, k=a.k, d=a.d)), flush=True)
+        except Exception as e:  # a config Triton cannot build for sm_90 (e.g. too much shared memory)
+            print(json.dumps(dict(config=list(cfg), failed=str(e).strip().splitlines()[-1][:300])), flush=True)
+
+
+if __name__ == "__main__":
+    main()
