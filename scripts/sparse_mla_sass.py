@@ -20,10 +20,12 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-NAMES = ["Q", "KV", "IDX", "OUT", "DO", "LSE", "DQ", "DKV", "T", "H", "scale", "scale_log2e",
+# _bwd_kernel's runtime arguments and their Triton types (BF16 tensors, FP32 lse and dkv, int32 sizes and strides)
+NAMES = ("Q", "KV", "IDX", "OUT", "DO", "LSE", "DQ", "DKV", "T", "H", "scale", "scale_log2e",
          "sq_b", "sq_t", "sq_h", "so_b", "so_t", "so_h", "sdo_b", "sdo_t", "sdo_h", "sdq_b", "sdq_t", "sdq_h",
-         "skv_b", "skv_t", "si_b", "si_t", "sl_b", "sl_t"]
-TYPES = ["*bf16", "*bf16", "*i32", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "i32", "i32", "fp32", "fp32"] + ["i32"] * 18
+         "skv_b", "skv_t", "si_b", "si_t", "sl_b", "sl_t")
+TYPES = ("*bf16", "*bf16", "*i32", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "i32", "i32", "fp32",
+         "fp32") + ("i32",) * 18
 
 
 def compile_bwd(block_h: int, block_k: int, num_warps: int, num_stages: int, *, k: int = 2051, d: int = 512):
