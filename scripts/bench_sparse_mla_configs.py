@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 import torch
-from cuda_timing import at_least
+from cuda_timing import at_least, kernel_configs
 
 H, D = 64, 512
 
@@ -65,8 +65,8 @@ def run_one(cfg: tuple[int, int, int, int], *, seqlen: int, check_len: int, k: i
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="", help="';'-separated BLOCK_H,BLOCK_K,num_warps,num_stages (default: the "
-                                                 "kernel's autotuning list)")
+    p.add_argument("--configs", type=kernel_configs, default=None,
+                   help="';'-separated BLOCK_H,BLOCK_K,num_warps,num_stages (default: the kernel's autotuning list)")
     p.add_argument("--seq-len", type=at_least(1), default=32768, help="T of the timing")
     p.add_argument("--check-seq-len", type=at_least(1), default=2048, help="T of the check against the reference")
     p.add_argument("--k", type=at_least(1), default=2051)
@@ -81,7 +81,7 @@ def main() -> None:
         print("ROW " + json.dumps(run_one(cfg, seqlen=a.seq_len, check_len=a.check_seq_len, k=a.k, steps=a.steps)))
         return
     if a.configs:
-        configs = [tuple(int(x) for x in c.split(",")) for c in a.configs.split(";")]
+        configs = a.configs
     else:
         from torchtitan_glm.ops.sparse_mla_triton import _BWD_CONFIGS
         configs = [(c.kwargs["BLOCK_H"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) for c in _BWD_CONFIGS]

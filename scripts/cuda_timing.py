@@ -1,6 +1,6 @@
 """Median CUDA-event time of a callable, the closing table and argument types, shared by the GPU micro-benchmarks
 (bench_dsa.py, bench_ce.py, bench_kda.py, bench_mhc.py, bench_optim.py, bench_causal_conv.py,
-bench_sparse_mla_configs.py; bench_decode.py its argument types)."""
+bench_sparse_mla_configs.py; bench_decode.py and sparse_mla_sass.py its argument types)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,16 @@ def int_list(least: int = 1):
         return tuple(one(item.strip()) for item in items)
 
     return parse
+
+
+def kernel_configs(text: str) -> tuple[tuple[int, int, int, int], ...]:
+    """argparse type: ';'-separated Triton configs BLOCK_H,BLOCK_K,num_warps,num_stages, each four integers >= 1
+    ("64,32,8,2;32,16,8,1"; the sparse backward's config scripts)."""
+    one = int_list()
+    configs = tuple(one(c) for c in text.split(";"))
+    if any(len(c) != 4 for c in configs):
+        raise argparse.ArgumentTypeError(f"{text!r}: each config is four integers BLOCK_H,BLOCK_K,num_warps,num_stages")
+    return configs
 
 
 def median_ms(fn, *, steps: int, warmup: int) -> float:

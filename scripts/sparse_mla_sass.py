@@ -6,7 +6,8 @@ the result). For choosing configs before a GPU session; the timings come from be
     python scripts/sparse_mla_sass.py --configs "64,32,16,2;32,32,8,2"
 
 A config is BLOCK_H,BLOCK_K,num_warps,num_stages; GLM-5.3-Flash's shapes (K = 2,051, D = 512), pointers and
-strides 16-divisible as the GPU specialises them. Prints one JSON line per config.
+strides 16-divisible as the GPU specialises them. Prints one JSON line per config (shared_bytes over the 232,448 an
+H100 or H200 block may use means the config cannot launch there).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
+
+from cuda_timing import at_least, kernel_configs
 
 # _bwd_kernel's runtime arguments and their Triton types (BF16 tensors, FP32 lse and dkv, int32 sizes and strides)
 NAMES = ("Q", "KV", "IDX", "OUT", "DO", "LSE", "DQ", "DKV", "T", "H", "scale", "scale_log2e",
@@ -90,30 +93,27 @@ def report(cfg: tuple[int, int, int, int], *, k: int, d: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="", help="';'-separated BLOCK_H,BLOCK_K,num_warps,num_stages (default: the "
-                                                 "kernel's autotuning list)")
-    p.add_argument("--k", type=int, default=2051)
-    p.add_argument("--d", type=int, default=512)
+    p.add_argument("--configs", type=kernel_configs, default=None,
+                   help="';'-separated BLOCK_H,BLOCK_K,num_warps,num_stages (default: the kernel's autotuning list)")
+    p.add_argument("--k", type=at_least(1), default=2051, help="tokens per query")
+    p.add_argument("--d", type=at_least(1), default=512, help="latent width")
     a = p.parse_args()
     try:
         import triton  # noqa: F401
     except ImportError:
-        print("sparse_mla_sass.py: needs triton (pip install triton), no GPU", file=sys.stderr)
+        print("sparse_mla_sass.py: needs triton (pip install triton); it needs no GPU", file=sys.stderr)
         sys.exit(2)
     if a.configs:
-        try:
-            configs = [tuple(int(x) for x in c.split(",")) for c in a.configs.split(";")]
-        except ValueError:
-            configs = []
-        if not configs or any(len(c) != 4 for c in configs):
-            p.error(f"--configs {a.configs!r}: each config is four integers BLOCK_H,BLOCK_K,num_warps,num_stages")
+        configs = a.configs
     else:
         from torchtitan_glm.ops.sparse_mla_triton import _BWD_CONFIGS
         configs = [(c.kwargs["BLOCK_H"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) for c in _BWD_CONFIGS]
+    from triton.compiler.errors import CompilationError
+
     for cfg in configs:
         try:
             print(json.dumps(report(cfg, k=a.k, d=a.d)), flush=True)
-        except Exception as e:  # a config Triton cannot build for sm_90 (e.g. too much shared memory)
+        except (CompilationError, subprocess.CalledProcessError, RuntimeError) as e:  # a config Triton or ptxas refuses
             print(json.dumps(dict(config=list(cfg), failed=str(e).strip().splitlines()[-1][:300])), flush=True)
 
 

@@ -300,18 +300,21 @@ def test_micro_benchmark_argument_types(monkeypatch):
     import argparse
 
     monkeypatch.syspath_prepend(str(REPO / "scripts"))
-    from cuda_timing import at_least, int_list
+    from cuda_timing import at_least, int_list, kernel_configs
 
     assert at_least(0)("0") == 0 and int_list()("4096, 8192") == (4096, 8192)
+    assert kernel_configs("64,32,8,2;32,16,8,1") == ((64, 32, 8, 2), (32, 16, 8, 1))
     for parse, text in ((at_least(1), "0"), (at_least(0), "-1"), (at_least(1), "2.5"), (int_list(), "4096,"),
-                        (int_list(), "abc"), (int_list(), "8192,0")):
+                        (int_list(), "abc"), (int_list(), "8192,0"), (kernel_configs, "64,32,8"),
+                        (kernel_configs, "64,32,8,2;"), (kernel_configs, "64,32,0,2")):
         with pytest.raises(argparse.ArgumentTypeError):
             parse(text)
 
 
 @pytest.mark.parametrize("script,args,named", [
     ("bench_dsa.py", ("--seq-len", "4096,"), "--seq-len"), ("bench_dsa.py", ("--steps", "0"), "--steps"),
-    ("bench_kda.py", ("--seq-len", "abc"), "--seq-len"), ("bench_causal_conv.py", ("--warmup", "-1"), "--warmup")])
+    ("bench_kda.py", ("--seq-len", "abc"), "--seq-len"), ("bench_causal_conv.py", ("--warmup", "-1"), "--warmup"),
+    ("bench_sparse_mla_configs.py", ("--configs", "64,32,8;32,16,8,1"), "--configs")])
 def test_micro_benchmarks_refuse_bad_flags_before_asking_for_cuda(script, args, named):
     proc = _run(f"scripts/{script}", *args, timeout=120)
     assert proc.returncode == 2 and f"argument {named}" in proc.stderr, proc.stderr[-2000:]

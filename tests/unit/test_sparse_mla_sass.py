@@ -21,19 +21,20 @@ pytest.importorskip("triton")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _script():
+def _script(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))  # as `python scripts/sparse_mla_sass.py` has it (cuda_timing)
     spec = importlib.util.spec_from_file_location("sparse_mla_sass", REPO / "scripts" / "sparse_mla_sass.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def test_dkv_adds_compile_to_vector_reductions_on_sm90():
+def test_dkv_adds_compile_to_vector_reductions_on_sm90(monkeypatch):
     """The backward at GLM-5.3-Flash's shapes (K = 2,051, D = 512) in the kernel's first config: every global FP32
     add in its SASS is a 4-wide REDG, one per PTX add."""
     from torchtitan_glm.ops.sparse_mla_triton import _BWD_CONFIGS
 
-    sass = _script()
+    sass = _script(monkeypatch)
     cfg = _BWD_CONFIGS[0]
     kernel = sass.compile_bwd(cfg.kwargs["BLOCK_H"], cfg.kwargs["BLOCK_K"], cfg.num_warps, cfg.num_stages)
     ptx_adds = sass.ptx_global_adds(kernel.asm["ptx"])
@@ -48,7 +49,7 @@ def test_script_reports_a_config_and_refuses_a_malformed_one():
     cmd = [sys.executable, str(REPO / "scripts" / "sparse_mla_sass.py")]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run(cmd + ["--configs", "64,16"], capture_output=True, text=True, env=env)
-    assert proc.returncode == 2 and "--configs '64,16'" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "argument --configs" in proc.stderr and "'64,16'" in proc.stderr, proc.stderr
     proc = subprocess.run(cmd + ["--configs", "32,16,8,1", "--k", "64"], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     row = json.loads(proc.stdout.splitlines()[-1])
