@@ -6,8 +6,9 @@ the result). For choosing configs before a GPU session; the timings come from be
     python scripts/sparse_mla_sass.py --configs "64,32,16,2;32,32,8,2"
 
 A config is BLOCK_H,BLOCK_K,num_warps,num_stages; GLM-5.3-Flash's shapes (K = 2,051, D = 512), pointers and
-strides 16-divisible as the GPU specialises them. Prints one JSON line per config (shared_bytes over the 232,448 an
-H100 or H200 block may use means the config cannot launch there).
+strides 16-divisible as the GPU specialises them. Prints one JSON line per config; fits_shared is false where
+shared_bytes passes the 232,448 bytes (227 KiB) a block may opt into on sm_90 (CUDA C Programming Guide, compute
+capability 9.0 table): such a config cannot launch on an H100 or H200.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from collections import Counter
 from pathlib import Path
 
 from cuda_timing import at_least, kernel_configs
+
+SM90_MAX_SHARED_PER_BLOCK = 232_448  # bytes, with the opt-in (cudaFuncAttributeMaxDynamicSharedMemorySize)
 
 # _bwd_kernel's runtime arguments and their Triton types (BF16 tensors, FP32 lse and dkv, int32 sizes and strides)
 NAMES = ("Q", "KV", "IDX", "OUT", "DO", "LSE", "DQ", "DKV", "T", "H", "scale", "scale_log2e",
@@ -85,7 +88,9 @@ def ptxas_usage(ptx: str) -> dict:
 def report(cfg: tuple[int, int, int, int], *, k: int, d: int) -> dict:
     kernel = compile_bwd(*cfg, k=k, d=d)
     ptx = kernel.asm["ptx"]
-    return dict(config=list(cfg), **ptxas_usage(ptx), shared_bytes=kernel.metadata.shared,
+    shared = kernel.metadata.shared
+    return dict(config=list(cfg), **ptxas_usage(ptx), shared_bytes=shared,
+                fits_shared=shared <= SM90_MAX_SHARED_PER_BLOCK,
                 wgmma=len(re.findall(r"\bwgmma\.mma_async", ptx)),
                 ptx_adds={f"{op}.{w}": n for (op, w), n in ptx_global_adds(ptx).items()},
                 sass_adds=dict(sass_global_adds(kernel.asm["cubin"])))

@@ -50,8 +50,12 @@ def test_script_reports_a_config_and_refuses_a_malformed_one():
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run(cmd + ["--configs", "64,16"], capture_output=True, text=True, env=env)
     assert proc.returncode == 2 and "argument --configs" in proc.stderr and "'64,16'" in proc.stderr, proc.stderr
-    proc = subprocess.run(cmd + ["--configs", "32,16,8,1", "--k", "64"], capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd + ["--configs", "32,16,8,1;64,32,16,2", "--k", "64"], capture_output=True, text=True,
+                          env=env)
     assert proc.returncode == 0, proc.stderr
-    row = json.loads(proc.stdout.splitlines()[-1])
-    assert row["config"] == [32, 16, 8, 1] and row["registers"] > 0 and row["shared_bytes"] > 0
-    assert set(row["sass_adds"]) == {"REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU"}
+    small, big = (json.loads(line) for line in proc.stdout.splitlines()[-2:])
+    assert small["config"] == [32, 16, 8, 1] and small["registers"] > 0 and small["shared_bytes"] > 0
+    assert set(small["sass_adds"]) == {"REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU"}
+    # 64 heads x 32 tokens x 2 stages of the 512-wide latent need more shared memory than an sm_90 block may have
+    assert small["fits_shared"] and small["shared_bytes"] <= 232_448
+    assert big["config"] == [64, 32, 16, 2] and not big["fits_shared"] and big["shared_bytes"] > 232_448
