@@ -18,7 +18,8 @@ experts BF16, and each row counts what was converted). `--profile` adds one prof
 prints its CUDA kernels by total time (on CPU its CPU ops; `--profile-rows N`, `--profile-match a,b` for the rows
 naming a or b and their summed self time, on CUDA the matching kernels'); `--memory-profile` (CUDA only) prints
 what is alive at each run's memory peak (or out-of-memory) by source line. `--recompute-modules kda,mhc` adds
-activation_checkpoint.recompute_modules to the selective runs (their AC column reads `selective+kda+mhc`). Prints one
+activation_checkpoint.recompute_modules to the selective runs (their AC column reads `selective+kda+mhc`); a run
+can name its own instead, `compiled:selective+kda`, so one call times several choices side by side. Prints one
 JSON line per run and a markdown table (its `MoE chunk` column is `--moe-chunk-tokens`); the proxy needs CUDA.
 
 `--against transformers` first times transformers' own `Glm5NextTextModel` built from the same config (plus a
@@ -402,16 +403,24 @@ def add_ratios(row: dict, reference: dict | None) -> None:
     row["memory_ratio"] = round(mem, 3) if math.isfinite(mem) else float("nan")
 
 
-def _parse_runs(p: argparse.ArgumentParser, text: str) -> list[tuple[str, str, bool]]:
-    """--runs as (mode, ac, fp8) triples; argparse's error (exit 2) naming the bad spec."""
+def _parse_runs(p: argparse.ArgumentParser, text: str,
+                default_recompute: tuple[str, ...]) -> list[tuple[str, str, bool, tuple[str, ...]]]:
+    """--runs as (mode, ac, fp8, recompute_modules); argparse's error (exit 2) naming the bad spec. A selective run
+    names its recompute_modules after `+` (`selective+kda+mhc`), or takes --recompute-modules'."""
     runs = []
     for spec in text.split(","):
         parts = spec.split(":")
+        ac, *own = parts[1].split("+") if len(parts) > 1 else ("", )
         if not (len(parts) in (2, 3) and parts[0] in ("eager", "compiled")
-                and parts[1] in ("none", "full", "selective", "auto") and parts[2:] in ([], ["fp8"])):
+                and ac in ("none", "full", "selective", "auto") and parts[2:] in ([], ["fp8"])
+                and (not own or ac == "selective")):
             p.error(f"--runs: {spec!r} is not mode:ac[:fp8] with mode in {{eager, compiled}} and ac in {{none, full, "
-                    "selective, auto}")
-        runs.append((parts[0], parts[1], len(parts) == 3))
+                    "selective, auto}, or selective+module+... naming its recompute_modules")
+        try:  # the trainer's own check of the names (moe_act accepted, duplicates refused)
+            ActivationCheckpointConfig(mode="selective", recompute_modules=own).validate()
+        except ConfigError as e:
+            p.error(f"--runs: {spec!r}: {e.message}")
+        runs.append((parts[0], ac, len(parts) == 3, tuple(own) or (default_recompute if ac in ("selective", "auto") else ())))
     return runs
 
 
@@ -424,10 +433,12 @@ def main() -> None:
                    help="documents packed in each row (equal lengths, to within one token)")
     p.add_argument("--runs", default="eager:none,compiled:none,eager:full,compiled:full",
                    help="comma-separated mode:ac[:fp8] specs, mode in {eager, compiled}, ac in {none, full, selective, "
-                        "auto}; a third field fp8 runs the FP8 serving split ([float8] defaults, --float8-recipe)")
+                        "auto}; a third field fp8 runs the FP8 serving split ([float8] defaults, --float8-recipe); "
+                        "selective+kda+mhc names that run's recompute_modules")
     p.add_argument("--recompute-modules", default="",
-                   help="activation_checkpoint.recompute_modules for the selective runs, comma-separated (kda, mhc, "
-                        "indexer, mla_up_proj, sparse_attn, moe, mlp; moe_act, as train.py takes it)")
+                   help="activation_checkpoint.recompute_modules for the selective runs that name none of their own, "
+                        "comma-separated (kda, mhc, indexer, mla_up_proj, sparse_attn, moe, mlp; moe_act, as "
+                        "train.py takes it)")
     p.add_argument("--moe-chunk-tokens", type=int, default=0,
                    help="activation_checkpoint.moe_chunk_tokens: routed experts over checkpointed token chunks (0 = off)")
     p.add_argument("--offload-inputs", action="store_true",
@@ -489,7 +500,7 @@ def main() -> None:
         p.error(f"--seq-len: a token count, comma-separated counts, or 'sweep'; got {a.seq_len!r}")
     if min(seq_lens) < 1:
         p.error(f"--seq-len: token counts must be >= 1, got {a.seq_len!r}")
-    runs = _parse_runs(p, a.runs)
+    runs = _parse_runs(p, a.runs, recompute)
     for key, value, low in (("--batch", a.batch, 1), ("--docs", a.docs, 1), ("--steps", a.steps, 1),
                             ("--warmup", a.warmup, 0), ("--moe-chunk-tokens", a.moe_chunk_tokens, 0),
                             ("--indexer-tile-elements", a.indexer_tile_elements, 0)):
@@ -502,9 +513,9 @@ def main() -> None:
         p.error(f"--flavor {a.flavor!r} is unknown; choose one of {sorted(FLAVORS)}")
     if a.out and (os.path.isdir(a.out) or not os.path.isdir(os.path.dirname(os.path.abspath(a.out)))):
         p.error(f"--out {a.out}: not a file in an existing folder (it is written after every run)")
-    if recompute and not any(ac == "selective" for _, ac, _ in runs):
+    if recompute and not any(ac == "selective" for _, ac, _, _ in runs):
         p.error("--recompute-modules refines selective AC: no run in --runs is ':selective'")
-    if a.offload_inputs and not any(ac in ("full", "auto") for _, ac, _ in runs):
+    if a.offload_inputs and not any(ac in ("full", "auto") for _, ac, _, _ in runs):
         p.error("--offload-inputs offloads what full AC saves: no run in --runs is ':full' (or ':auto')")
     try:
         dense_max_lens = tuple(int(v) for v in a.dsa_dense_max_len.split(",")) if a.dsa_dense_max_len else (None,)
@@ -555,7 +566,7 @@ def main() -> None:
                 gc.collect()
                 torch.cuda.empty_cache()
             emit(reference)
-        for (mode, ac, fp8), dense_max, mask_chunk in ((run, dm, mc) for dm in dense_max_lens
+        for (mode, ac, fp8, run_recompute), dense_max, mask_chunk in ((run, dm, mc) for dm in dense_max_lens
                                                        for mc in mask_chunks for run in runs):
             ac = auto_ac(seq_len) if ac == "auto" else ac
             try:
@@ -563,14 +574,15 @@ def main() -> None:
                             steps=a.steps, warmup=a.warmup, device=device, dtype=getattr(torch, a.dtype),
                             backend=a.backend, scope=a.scope, profile=a.profile, indexer_kl=a.indexer_kl, docs=a.docs,
                             tile_elements=tile_elements, float8=a.float8_recipe if fp8 else None,
-                            weights=weights, recompute_modules=recompute, dsa_dense_max_len=dense_max,
+                            weights=weights, recompute_modules=run_recompute, dsa_dense_max_len=dense_max,
                             dsa_mask_query_chunk=mask_chunk, dsa_mask_causal_rows=a.dsa_mask_causal_rows == "on",
                             memory_profile=a.memory_profile,
                             moe_chunk_tokens=a.moe_chunk_tokens, offload_inputs=a.offload_inputs,
                             float8_moe_experts=a.float8_moe_experts == "on", profile_rows=a.profile_rows,
                             profile_match=tuple(m for m in a.profile_match.split(",") if m))
             except torch.cuda.OutOfMemoryError as e:
-                r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=ac,
+                label = ac + "".join(f"+{m}" for m in run_recompute) if ac == "selective" else ac
+                r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=label,
                          float8=a.float8_recipe if fp8 else "off", moe_chunk_tokens=a.moe_chunk_tokens,
                          dsa_dense_max_len=dense_max, dsa_mask_query_chunk=mask_chunk, oom=str(e).split(".")[0])
             if "oom" in r:  # outside the handler: its traceback no longer holds the model

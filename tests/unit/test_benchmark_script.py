@@ -50,6 +50,21 @@ def test_fp8_rows_can_keep_the_routed_experts_bf16(tmp_path):
     assert f"tensorwise ({row['float8_linears']} Linear, 0 expert weights)" in proc.stdout
 
 
+def test_runs_name_their_own_recompute_modules(tmp_path):
+    """`selective+kda` in --runs times that recompute choice beside others in one call; runs naming none take
+    --recompute-modules. Recomputing changes what is saved, not the function: the same loss at init (fp32)."""
+    out = tmp_path / "bench.json"
+    proc = _run("scripts/benchmark.py", "--flavor", "debug", "--seq-len", "32", "--steps", "1", "--warmup", "0",
+                "--runs", "eager:selective,eager:selective+kda+mla_up_proj,eager:none", "--recompute-modules", "mhc",
+                "--scope", "reference", "--dtype", "float32", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["ac"] for r in rows] == ["selective+mhc", "selective+kda+mla_up_proj", "none"]
+    assert rows[1]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-6)
+    assert rows[2]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-6)
+    assert "| selective+kda+mla_up_proj |" in proc.stdout
+
+
 def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(REPO), "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"})
@@ -175,6 +190,9 @@ def test_benchmark_against_transformers_refuses_train_scope():
     (("--recompute-modules", "kda,kda", "--runs", "eager:selective"), "has duplicates"),
     (("--recompute-modules", "nosuch", "--runs", "eager:selective"), "unknown module 'nosuch'"),
     (("--offload-inputs", "--runs", "eager:selective"), "--offload-inputs"),
+    (("--runs", "eager:full+kda"), "'eager:full+kda' is not mode:ac"),
+    (("--runs", "eager:selective+kda+kda"), "has duplicates"),
+    (("--runs", "eager:selective+nosuch"), "unknown module 'nosuch'"),
     (("--seq-len", "128", "--docs", "65"), "--docs"), (("--flavor", "nosuch"), "--flavor"),
     (("--out", "/nonexistent/folder/rows.json"), "--out"),
 ])
