@@ -20,8 +20,8 @@
 #   agreement (issue 8): scripts/precision_agreement.py on the proxy trained as for serving (the same folder, trained
 #   once per warm machine).
 #   recompute (issue 12 item 4): the training-scope benchmark, compiled, once per recompute_modules choice in
-#   RECOMPUTE_RUNS (default: selective AC alone, +kda, +mla_up_proj) at RECOMPUTE_SEQ (8192); about 3 minutes of
-#   compile per run on an H100, so split longer lists across calls.
+#   RECOMPUTE_RUNS (default: selective AC alone, then +kda) at RECOMPUTE_SEQ (16384); about 3 minutes of compile
+#   per run on an H100, so split longer lists across calls.
 #   optimbench (issue 12): scripts/bench_optim.py, the optimizer step alone over the proxy's parameters
 #   (OPTIMBENCH_ARGS, e.g. "--max-elements 2e9" on an 80 GB card).
 #   fp8curve (issue 8): 200 proxy steps through train.py, BF16 and the FP8 split (FP8CURVE_PREC, one per call),
@@ -97,8 +97,8 @@ case " $STAGES " in *" fp8 "*|*" fp8bench "*)
 esac
 case " $STAGES " in *" recompute "*)
   timeout "${RECOMPUTE_TIMEOUT:-560}" python3 scripts/benchmark.py --flavor glm5_3_flash_proxy \
-      --seq-len "${RECOMPUTE_SEQ:-8192}" --steps 3 --warmup 1 --scope train \
-      --runs "${RECOMPUTE_RUNS:-compiled:selective,compiled:selective+kda,compiled:selective+mla_up_proj}" \
+      --seq-len "${RECOMPUTE_SEQ:-16384}" --steps 3 --warmup 1 --scope train \
+      --runs "${RECOMPUTE_RUNS:-compiled:selective,compiled:selective+kda}" \
       --out "$OUT/bench_recompute.json" 2>&1 | tee "$OUT/bench_recompute.log" ;;
 esac
 pack_cache
