@@ -94,9 +94,13 @@ _TRACE_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
 class BlockSites:
-    """Which recompute_modules label covers an op of one block, from where it runs (see the module docstring)."""
+    """Which recompute_modules label covers an op of the given blocks, from where it runs (see the module docstring).
 
-    def __init__(self, block: nn.Module, names: Iterable[str]) -> None:
+    One object serves every block of a model: torch.compile guards on its identity (it is an argument of the
+    checkpoint's context_fn), so an object per block made each block a recompile, and a model of more than 8 blocks
+    passed dynamo's recompile limit, a hard error under fullgraph (the proxy, 2026-12-06)."""
+
+    def __init__(self, blocks: Iterable[nn.Module], names: Iterable[str]) -> None:
         from torchtitan_glm.models.glm5.dsa import KPoolIndexer, SparseMLA
         from torchtitan_glm.models.glm5.kda import KimiDeltaAttention
         from torchtitan_glm.models.glm5.layers import DenseMLP
@@ -115,10 +119,11 @@ class BlockSites:
                       "mlp": _codes(DenseMLP), "sparse_attn": _codes(masked_attention, sparse_mla)}
         self.spans = {n: [_span(c) for c in codes] for n, codes in self.codes.items()}
         # mla_up_proj: the up-projection modules themselves (whatever Linear class float8 made them)
-        attn = [m for m in block.modules() if isinstance(m, SparseMLA)]
+        blocks = list(blocks)
+        attn = [m for block in blocks for m in block.modules() if isinstance(m, SparseMLA)]
         self.up_proj = {id(getattr(a, n)): getattr(a, n) for a in attn for n in ("q_b_proj", "kv_b_proj")}
         self.up_proj_codes = {type(m).forward.__code__ for m in self.up_proj.values()}
-        self.block_codes = _codes(type(block))
+        self.block_codes = set().union(*(_codes(type(block)) for block in blocks))
         self.seen: dict[str, int] = {}  # ops recomputed per label (traced ops, under compile)
 
     def recompute(self, op) -> bool:
@@ -183,8 +188,10 @@ def _selective_context(sites: BlockSites | None = None) -> tuple:
     return create_selective_checkpoint_contexts(functools.partial(_policy, _save_list(), sites))
 
 
-def wrap_block(block: nn.Module, *, mode: str, recompute_modules: Iterable[str] = ()) -> nn.Module:
-    """The block wrapped for `mode` (checkpoint_wrapper keeps state_dict names free of its prefix)."""
+def wrap_block(block: nn.Module, *, mode: str, recompute_modules: Iterable[str] = (),
+               sites: BlockSites | None = None) -> nn.Module:
+    """The block wrapped for `mode` (checkpoint_wrapper keeps state_dict names free of its prefix). sites: the
+    model's shared BlockSites for recompute_modules (default: one for this block alone)."""
     recompute_modules = tuple(recompute_modules)
     if recompute_modules and mode != "selective":
         raise ValueError(f"recompute_modules {list(recompute_modules)} refine activation_checkpoint.mode "
@@ -194,7 +201,9 @@ def wrap_block(block: nn.Module, *, mode: str, recompute_modules: Iterable[str] 
     if mode == "full":
         return checkpoint_wrapper(block, preserve_rng_state=False)
     if mode == "selective":
-        sites = BlockSites(block, recompute_modules) if recompute_modules else None
+        if recompute_modules and sites is None:
+            sites = BlockSites([block], recompute_modules)
+        sites = sites if recompute_modules else None
         wrapped = checkpoint_wrapper(block, preserve_rng_state=False,
                                      context_fn=functools.partial(_selective_context, sites))
         wrapped.recompute_sites = sites
@@ -275,7 +284,10 @@ def apply_activation_checkpointing(model: nn.Module, *, mode: str, recompute_mod
         if isinstance(m, MoE):
             m.chunk_tokens = moe_chunk_tokens
     recompute_modules = tuple(recompute_modules)
+    mtp = getattr(model, "mtp", None)
+    blocks = list(model.layers.values()) + ([mtp] if mtp is not None else [])
+    sites = BlockSites(blocks, recompute_modules) if recompute_modules and mode == "selective" else None
     for name, layer in list(model.layers.items()):
-        model.layers[name] = wrap_block(layer, mode=mode, recompute_modules=recompute_modules)
-    if getattr(model, "mtp", None) is not None:
-        model.mtp = wrap_block(model.mtp, mode=mode, recompute_modules=recompute_modules)
+        model.layers[name] = wrap_block(layer, mode=mode, recompute_modules=recompute_modules, sites=sites)
+    if mtp is not None:
+        model.mtp = wrap_block(mtp, mode=mode, recompute_modules=recompute_modules, sites=sites)

@@ -41,6 +41,27 @@ def test_compiled_choices_attribute_and_match_eager(modules):
         torch.testing.assert_close(g, ref_grads[key], rtol=1e-4, atol=1e-6, msg=lambda m: f"{key}: {m}")
 
 
+def _graphs(modules: tuple[str, ...]) -> int:
+    """Graphs dynamo compiles for one training forward of the test model under selective AC + modules."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = build_model(0)
+    apply_activation_checkpointing(model, mode="selective", recompute_modules=modules)
+    apply_compile(model, backend="eager", components=["model"])
+    batch = make_batch(0, model.args.vocab_size, bsz=1)
+    train_forward(model, batch, token_scale=1.0, mtp_scale=0.1)
+    return counters["stats"]["unique_graphs"]
+
+
+def test_recompute_modules_compile_once_per_kind_of_block():
+    """recompute_modules adds no graph: blocks of one kind share their compiled code, as under plain selective. A
+    policy object per block made every block a recompile, and past dynamo's limit of 8 (the proxy's 8 layers and
+    MTP) a fullgraph error."""
+    assert _graphs(("kda", "mla_up_proj")) == _graphs(()) < len(build_model(0).layers) + 1
+
+
 @pytest.mark.parametrize("mode", ["full", pytest.param("selective", marks=pytest.mark.slow)])
 def test_compiled_moe_chunks_match_eager(mode):
     """activation_checkpoint.moe_chunk_tokens inside fullgraph-compiled blocks (nested checkpoints under full AC)."""
