@@ -22,6 +22,8 @@
 #   recompute (issue 12 item 4): the training-scope benchmark, compiled, once per recompute_modules choice in
 #   RECOMPUTE_RUNS (default: selective AC alone, then +kda) at RECOMPUTE_SEQ (16384); about 3 minutes of compile
 #   per run on an H100, so split longer lists across calls.
+#   probe: scripts/probe_layers.py, each layer's output eager against compiled (PROBE_SEQ, default 16384; PROBE_ARGS),
+#   for the compiled-only loss fault at 16K (docs/performance.md, twenty-seventh session).
 #   optimbench (issue 12): scripts/bench_optim.py, the optimizer step alone over the proxy's parameters
 #   (OPTIMBENCH_ARGS, e.g. "--max-elements 2e9" on an 80 GB card).
 #   fp8curve (issue 8): 200 proxy steps through train.py, BF16 and the FP8 split (FP8CURVE_PREC, one per call),
@@ -94,6 +96,10 @@ case " $STAGES " in *" fp8 "*|*" fp8bench "*)
   timeout "${BENCH_TIMEOUT:-400}" python3 scripts/benchmark.py --flavor glm5_3_flash_proxy --seq-len "${FP8_SEQ:-4096}" \
       --steps 4 --warmup 2 --runs "${FP8_RUNS:-compiled:selective,compiled:selective:fp8}" --scope "${FP8_SCOPE:-train}" \
       --out "$OUT/bench_fp8.json" 2>&1 | tee "$OUT/bench_fp8.log" ;;
+esac
+case " $STAGES " in *" probe "*)
+  timeout "${PROBE_TIMEOUT:-540}" python3 scripts/probe_layers.py --flavor glm5_3_flash_proxy \
+      --seq-len "${PROBE_SEQ:-16384}" ${PROBE_ARGS:-} --json "$OUT/probe_layers.json" 2>&1 | tee "$OUT/probe_layers.log" ;;
 esac
 case " $STAGES " in *" recompute "*)
   timeout "${RECOMPUTE_TIMEOUT:-560}" python3 scripts/benchmark.py --flavor glm5_3_flash_proxy \

@@ -7,7 +7,6 @@ T = 32,768; docs/performance.md, "Twenty-sixth session")."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,17 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.script_loader import load_script
+
 pytest.importorskip("triton")
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _script(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))  # as `python scripts/sparse_mla_sass.py` has it (cuda_timing)
-    spec = importlib.util.spec_from_file_location("sparse_mla_sass", REPO / "scripts" / "sparse_mla_sass.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_dkv_adds_compile_to_vector_reductions_on_sm90(monkeypatch):
@@ -34,7 +27,7 @@ def test_dkv_adds_compile_to_vector_reductions_on_sm90(monkeypatch):
     add in its SASS is a 4-wide REDG, one per PTX add."""
     from torchtitan_glm.ops.sparse_mla_triton import _BWD_CONFIGS
 
-    sass = _script(monkeypatch)
+    sass = load_script("sparse_mla_sass", monkeypatch)
     cfg = _BWD_CONFIGS[0]
     kernel = sass.compile_bwd(cfg.kwargs["BLOCK_H"], cfg.kwargs["BLOCK_K"], cfg.num_warps, cfg.num_stages)
     ptx_adds = sass.ptx_global_adds(kernel.asm["ptx"])
