@@ -80,11 +80,9 @@ def main() -> None:
         cfg = tuple(int(x) for x in a.one.split(","))
         print("ROW " + json.dumps(run_one(cfg, seqlen=a.seq_len, check_len=a.check_seq_len, k=a.k, steps=a.steps)))
         return
-    if a.configs:
-        configs = a.configs
-    else:
-        from torchtitan_glm.ops.sparse_mla_triton import _BWD_CONFIGS
-        configs = [(c.kwargs["BLOCK_H"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) for c in _BWD_CONFIGS]
+    from torchtitan_glm.ops.sparse_mla_triton import BWD_CONFIGS
+
+    configs = a.configs or BWD_CONFIGS
     rows = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))

@@ -108,11 +108,9 @@ def main() -> None:
     except ImportError:
         print("sparse_mla_sass.py: needs triton (pip install triton); it needs no GPU", file=sys.stderr)
         sys.exit(2)
-    if a.configs:
-        configs = a.configs
-    else:
-        from torchtitan_glm.ops.sparse_mla_triton import _BWD_CONFIGS
-        configs = [(c.kwargs["BLOCK_H"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) for c in _BWD_CONFIGS]
+    from torchtitan_glm.ops.sparse_mla_triton import BWD_CONFIGS
+
+    configs = a.configs or BWD_CONFIGS
     from triton.compiler.errors import CompilationError
 
     for cfg in configs:

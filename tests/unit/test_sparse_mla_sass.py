@@ -25,11 +25,10 @@ REPO = Path(__file__).resolve().parents[2]
 def test_dkv_adds_compile_to_vector_reductions_on_sm90(monkeypatch):
     """The backward at GLM-5.3-Flash's shapes (K = 2,051, D = 512) in the kernel's first config: every global FP32
     add in its SASS is a 4-wide REDG, one per PTX add."""
-    from torchtitan_glm.ops.sparse_mla_triton import _BWD_CONFIGS
+    from torchtitan_glm.ops.sparse_mla_triton import BWD_CONFIGS
 
     sass = load_script("sparse_mla_sass", monkeypatch)
-    cfg = _BWD_CONFIGS[0]
-    kernel = sass.compile_bwd(cfg.kwargs["BLOCK_H"], cfg.kwargs["BLOCK_K"], cfg.num_warps, cfg.num_stages)
+    kernel = sass.compile_bwd(*BWD_CONFIGS[0])
     ptx_adds = sass.ptx_global_adds(kernel.asm["ptx"])
     # 4-wide adds: Triton 3.6 writes them as atom, Triton >= 3.9 as red (triton-lang/triton PR #10724)
     assert sum(ptx_adds.values()) > 0 and all(width == "v4.f32" for _, width in ptx_adds), ptx_adds

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .sparse_mla import _rows
 
-__all__ = ["sparse_mla_fwd_triton", "sparse_mla_bwd_triton", "sparse_mla_head_probs_triton"]
+__all__ = ["BWD_CONFIGS", "sparse_mla_fwd_triton", "sparse_mla_bwd_triton", "sparse_mla_head_probs_triton"]
 
 _LOG2E = 1.4426950408889634
 
@@ -45,10 +45,9 @@ _FWD_CONFIGS = [
 # "Ninth session"; scripts/bench_sparse_mla_configs.py times them): (64, 32, 8, 2) 150 ms, (64, 16, 8, 2) 199 ms,
 # (32, 32, 8, 1) 251 ms, against 336 ms for the earlier [BLOCK_K, D] form's best, (32, 16, 8, 1). With all 64 heads in
 # one program each key is gathered and its dkv added once, not twice, and every product is a wgmma.
-_BWD_CONFIGS = [
-    triton.Config({"BLOCK_H": bh, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-    for bh, bk, w, s in [(64, 32, 8, 2), (64, 16, 8, 2), (32, 32, 8, 1), (32, 16, 8, 1)]
-]
+BWD_CONFIGS = ((64, 32, 8, 2), (64, 16, 8, 2), (32, 32, 8, 1), (32, 16, 8, 1))  # BLOCK_H, BLOCK_K, warps, stages
+_BWD_CONFIGS = [triton.Config({"BLOCK_H": bh, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+                for bh, bk, w, s in BWD_CONFIGS]
 
 
 def _bwd_config_faults(block_h: int, block_k: int, num_stages: int, k: int) -> bool:
