@@ -371,7 +371,7 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
     offloaded = offload_inputs and ac == "full"
     calls = steps + warmup + (device.type != "cuda" and not compiled)
     offloaded_gib = model.block_offload.offloaded_bytes / calls / 2**30 if offloaded else 0.0
-    ac_label = ac + "".join(f"+{m}" for m in recompute_modules) + ("+offload" if offloaded else "")
+    ac_label = run_label(ac, recompute_modules) + ("+offload" if offloaded else "")
     result = dict(flavor=flavor, scope=scope, indexer_kl=indexer_kl if train_scope else None, seq_len=seq_len,
                   batch=batch, mode="compiled" if compiled else "eager",
                   ac=ac_label, float8=float8 or "off", float8_linears=converted.converted_linears,
@@ -403,6 +403,11 @@ def add_ratios(row: dict, reference: dict | None) -> None:
     row["memory_ratio"] = round(mem, 3) if math.isfinite(mem) else float("nan")
 
 
+def run_label(ac: str, recompute_modules: tuple[str, ...]) -> str:
+    """A row's AC column: the mode, and a selective run's recompute_modules (`selective+kda+mhc`, as --runs reads)."""
+    return ac + "".join(f"+{m}" for m in recompute_modules) if ac == "selective" else ac
+
+
 def _parse_runs(p: argparse.ArgumentParser, text: str,
                 default_recompute: tuple[str, ...]) -> list[tuple[str, str, bool, tuple[str, ...]]]:
     """--runs as (mode, ac, fp8, recompute_modules); argparse's error (exit 2) naming the bad spec. A selective run
@@ -410,7 +415,7 @@ def _parse_runs(p: argparse.ArgumentParser, text: str,
     runs = []
     for spec in text.split(","):
         parts = spec.split(":")
-        ac, *own = parts[1].split("+") if len(parts) > 1 else ("", )
+        ac, *own = parts[1].split("+") if len(parts) > 1 else ("",)
         if not (len(parts) in (2, 3) and parts[0] in ("eager", "compiled")
                 and ac in ("none", "full", "selective", "auto") and parts[2:] in ([], ["fp8"])
                 and (not own or ac == "selective")):
@@ -420,7 +425,8 @@ def _parse_runs(p: argparse.ArgumentParser, text: str,
             ActivationCheckpointConfig(mode="selective", recompute_modules=own).validate()
         except ConfigError as e:
             p.error(f"--runs: {spec!r}: {e.message}")
-        runs.append((parts[0], ac, len(parts) == 3, tuple(own) or (default_recompute if ac in ("selective", "auto") else ())))
+        recompute = tuple(own) or (default_recompute if ac in ("selective", "auto") else ())
+        runs.append((parts[0], ac, len(parts) == 3, recompute))
     return runs
 
 
@@ -581,8 +587,7 @@ def main() -> None:
                             float8_moe_experts=a.float8_moe_experts == "on", profile_rows=a.profile_rows,
                             profile_match=tuple(m for m in a.profile_match.split(",") if m))
             except torch.cuda.OutOfMemoryError as e:
-                label = ac + "".join(f"+{m}" for m in run_recompute) if ac == "selective" else ac
-                r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=label,
+                r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=run_label(ac, run_recompute),
                          float8=a.float8_recipe if fp8 else "off", moe_chunk_tokens=a.moe_chunk_tokens,
                          dsa_dense_max_len=dense_max, dsa_mask_query_chunk=mask_chunk, oom=str(e).split(".")[0])
             if "oom" in r:  # outside the handler: its traceback no longer holds the model

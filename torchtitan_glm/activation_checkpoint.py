@@ -201,9 +201,7 @@ def wrap_block(block: nn.Module, *, mode: str, recompute_modules: Iterable[str] 
     if mode == "full":
         return checkpoint_wrapper(block, preserve_rng_state=False)
     if mode == "selective":
-        if recompute_modules and sites is None:
-            sites = BlockSites([block], recompute_modules)
-        sites = sites if recompute_modules else None
+        sites = (sites or BlockSites([block], recompute_modules)) if recompute_modules else None
         wrapped = checkpoint_wrapper(block, preserve_rng_state=False,
                                      context_fn=functools.partial(_selective_context, sites))
         wrapped.recompute_sites = sites
