@@ -1,5 +1,5 @@
 """Each decoder layer's output magnitude, eager against compiled, to find where a compiled-only numerical fault
-starts. Builds the model twice from the same seed (eager first, then compiled), runs --steps training steps on the
+starts. Builds the model from the same seed eager, then once per --backend (compiled), runs --steps training steps on the
 benchmark's tokens (forward, then backward, gradients dropped: the weights never change), and prints per step the
 loss, the largest per-token CE, and each layer's largest |output|, then the first (step, layer) where the compiled
 run leaves the eager one by more than --rtol (BF16 compiled and eager differ by rounding only).
@@ -106,7 +106,9 @@ def main() -> None:
     p.add_argument("--docs", type=int, default=1)
     p.add_argument("--ac", choices=["none", "full", "selective"], default="selective")
     p.add_argument("--recompute-modules", default="", help="comma-separated, with --ac selective")
-    p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled run")
+    p.add_argument("--backend", default="inductor",
+                   help="torch.compile backends, comma-separated, each compared with one eager run (e.g. "
+                        "inductor,aot_eager: a fault in inductor alone is in its generated code)")
     p.add_argument("--indexer-kl", choices=["dense", "sparse", "none"], default="dense")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--rtol", type=float, default=0.05)
@@ -128,18 +130,21 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     common = dict(flavor=a.flavor, seq_len=a.seq_len, docs=a.docs, ac=a.ac, recompute=recompute, steps=a.steps,
                   indexer_kl=a.indexer_kl, device=device, dtype=getattr(torch, a.dtype))
-    runs = {"eager": probe(backend=None, **common), "compiled": probe(backend=a.backend, **common)}
+    backends = [b for b in a.backend.split(",") if b]
+    runs = {"eager": probe(backend=None, **common)}
+    for backend in backends:
+        runs[f"compiled:{backend}"] = probe(backend=backend, **common)
     for mode, rows in runs.items():
         for step, r in enumerate(rows):
             layers = " ".join(f"{k}={v:.4g}" for k, v in r["layers"].items())
             print(f"{mode} step {step}: loss {r['loss']:.6g}, max CE {r['ce_max']:.4g}; max |out| {layers}", flush=True)
-    where = first_divergence(runs["eager"], runs["compiled"], rtol=a.rtol)
-    print("compiled follows eager within rtol" if where is None else
-          f"compiled leaves eager first at step {where[0]}, {where[1]}")
+    where = {b: first_divergence(runs["eager"], runs[f"compiled:{b}"], rtol=a.rtol) for b in backends}
+    for backend, w in where.items():
+        print(f"compiled:{backend} follows eager within rtol" if w is None else
+              f"compiled:{backend} leaves eager first at step {w[0]}, {w[1]}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(runs=runs, first_divergence=where), f, indent=1)
-
 
 if __name__ == "__main__":
     main()

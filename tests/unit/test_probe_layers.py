@@ -31,18 +31,20 @@ def test_first_divergence_names_the_first_layer_off(monkeypatch):
 def test_script_runs_eager_and_compiled_on_cpu(tmp_path):
     out = tmp_path / "probe.json"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "probe_layers.py"), "--flavor", "debug",
-                           "--seq-len", "48", "--docs", "2", "--backend", "eager", "--json", str(out)],
+                           "--seq-len", "48", "--docs", "2", "--backend", "eager,aot_eager", "--json", str(out)],
                           capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONPATH=str(REPO), TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "compiled follows eager within rtol" in proc.stdout
     result = json.loads(out.read_text())
-    assert result["first_divergence"] is None
-    eager, compiled = result["runs"]["eager"], result["runs"]["compiled"]
-    assert len(eager) == len(compiled) == 2
-    assert list(eager[0]["layers"]) == list(compiled[0]["layers"]) and len(eager[0]["layers"]) >= 2
-    assert all(0 < v < 1e3 for r in eager + compiled for v in r["layers"].values())
-    assert math.isclose(eager[0]["loss"], compiled[0]["loss"], rel_tol=1e-3)
+    eager = result["runs"]["eager"]
+    for backend in ("eager", "aot_eager"):  # dynamo alone, then dynamo + AOTAutograd
+        assert f"compiled:{backend} follows eager within rtol" in proc.stdout
+        assert result["first_divergence"][backend] is None
+        compiled = result["runs"][f"compiled:{backend}"]
+        assert len(eager) == len(compiled) == 2
+        assert list(eager[0]["layers"]) == list(compiled[0]["layers"]) and len(eager[0]["layers"]) >= 2
+        assert all(0 < v < 1e3 for r in eager + compiled for v in r["layers"].values())
+        assert math.isclose(eager[0]["loss"], compiled[0]["loss"], rel_tol=1e-3)
 
 
 def test_script_refuses_the_proxy_without_cuda():
