@@ -279,3 +279,33 @@ def test_compiled_ce_writes_no_fp32_logits_and_equals_eager(chunk_size):
     assert any("empty_strided" in c for c in codes)  # the pattern reads inductor's buffer allocations
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_ce_reads_the_target_without_a_gather():
+    """Under compile each chunk's target logit is a masked sum over the vocabulary, not a gather: inductor fuses a
+    gather into the one kernel that fills the per-token losses of every chunk, whose int32 offsets into each chunk's
+    logits overflow past 2^31 / vocab rows (illegal memory access on the GPU: tests/gpu/test_linear_cross_entropy_cuda.py).
+    The graph the compiler receives holds no gather, and the loss equals eager's."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.manual_seed(0)
+    h, w = torch.randn(24, 16).bfloat16(), (torch.randn(50, 16) * 0.2).bfloat16()
+    y, tw = torch.randint(0, 50, (24,)), torch.rand(24)
+    y[3] = -100
+
+    def ce(hh, ww):
+        return linear_cross_entropy(hh, ww, y, tw, chunk_size=8)
+
+    torch._dynamo.reset()
+    got = torch.compile(ce, backend=aot_autograd(fw_compiler=keep), fullgraph=True)(h.requires_grad_(), w)
+    want = ce(h, w)
+    ops = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert graphs and "aten.mm.default" in ops and not any("gather" in op for op in ops), sorted(ops)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=1e-5, atol=1e-6)

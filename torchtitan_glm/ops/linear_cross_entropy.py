@@ -35,9 +35,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 # as a column compare, which a scatter would not fuse). The working set is the GEMM's logits and
                 # their gradient in the weight's dtype: at the proxy's LM head 2.4 GiB, where the FP32 buffer
                 # and its in-place updates held about 6 (H100 memory snapshot, docs/performance.md).
+                # The target logit is a masked sum over the vocabulary (exact: one term is not zero), so it
+                # fuses into this chunk's logsumexp kernel. A gather would be fused into the kernel that fills
+                # `losses` over all chunks, whose int32 offsets into each chunk's logits overflow past
+                # 2^31 / vocab rows (an inductor fault, pytorch/pytorch#189108): an illegal memory access or a
+                # garbage loss at 24,576 rows of the proxy's 154,880-word vocabulary (H100, torch 2.11,
+                # docs/performance.md, twenty-eighth session).
                 logits = h @ weight.t()
                 lse = torch.logsumexp(logits.float(), dim=-1)
-                target = logits.gather(-1, y_safe.unsqueeze(-1)).squeeze(-1).float()
+                hit = torch.arange(logits.shape[-1], device=logits.device) == y_safe.unsqueeze(-1)
+                target = torch.where(hit, logits.float(), 0.0).sum(-1)
             else:
                 logits = (h @ weight.t()).float()
                 lse = torch.logsumexp(logits, dim=-1)
@@ -49,7 +56,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 scale = (token_weights[s:e].float() * keep).unsqueeze(-1)
                 if torch.compiler.is_compiling():
                     p = torch.exp(logits.float() - lse.unsqueeze(-1))
-                    hit = torch.arange(logits.shape[-1], device=logits.device) == y_safe.unsqueeze(-1)
                     g = (torch.where(hit, p - 1.0, p) * scale).to(weight.dtype)
                 else:  # in place over the FP32 logits: eager keeps one [chunk, vocab] FP32 tensor alive, not three
                     g = logits.sub_(lse.unsqueeze(-1)).exp_()
