@@ -23,7 +23,8 @@
 #   RECOMPUTE_RUNS (default: selective AC alone, then +kda) at RECOMPUTE_SEQ (16384); about 3 minutes of compile
 #   per run on an H100, so split longer lists across calls.
 #   probe: scripts/probe_layers.py, each layer's output eager against compiled (PROBE_SEQ, default 16384; PROBE_ARGS),
-#   for the compiled-only loss fault at 16K (docs/performance.md, twenty-seventh session).
+#   written for the compiled-only loss fault at 16K (docs/performance.md, twenty-seventh session; found with it and
+#   fixed in the twenty-eighth: inductor's int32 offsets in the fused CE).
 #   optimbench (issue 12): scripts/bench_optim.py, the optimizer step alone over the proxy's parameters
 #   (OPTIMBENCH_ARGS, e.g. "--max-elements 2e9" on an 80 GB card).
 #   fp8curve (issue 8): 200 proxy steps through train.py, BF16 and the FP8 split (FP8CURVE_PREC, one per call),

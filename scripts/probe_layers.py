@@ -111,7 +111,9 @@ def main() -> None:
                         "inductor,aot_eager: a fault in inductor alone is in its generated code)")
     p.add_argument("--indexer-kl", choices=["dense", "sparse", "none"], default="dense")
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--rtol", type=float, default=0.05)
+    p.add_argument("--rtol", type=float, default=0.1,
+                   help="a layer's max |output| may move this much by rounding alone: 5.2%% at the proxy's last "
+                        "layer, compiled against eager, T = 16,384, H100 (docs/performance.md, twenty-eighth session)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json", default="")
     a = p.parse_args()
