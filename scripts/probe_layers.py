@@ -1,8 +1,8 @@
 """Each decoder layer's output magnitude, eager against compiled, to find where a compiled-only numerical fault
-starts. Builds the model from the same seed eager, then once per --backend (compiled), runs --steps training steps on the
-benchmark's tokens (forward, then backward, gradients dropped: the weights never change), and prints per step the
-loss, the largest per-token CE, and each layer's largest |output|, then the first (step, layer) where the compiled
-run leaves the eager one by more than --rtol (BF16 compiled and eager differ by rounding only).
+starts. Builds the model from the same seed eager, then once per --backend (compiled), runs --steps training steps
+on the benchmark's tokens (forward, then backward, gradients dropped: the weights never change), and prints per
+step the loss, the largest per-token CE, and each layer's largest |output|, then the first (step, layer) where a
+compiled run leaves the eager one by more than --rtol (BF16 compiled and eager differ by rounding only).
 
     python scripts/probe_layers.py --flavor glm5_3_flash_proxy --seq-len 16384          # STAGES=probe (gpu_checks.sh)
     python scripts/probe_layers.py --flavor debug --seq-len 64 --backend eager           # CPU, dynamo alone
@@ -147,6 +147,7 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(runs=runs, first_divergence=where), f, indent=1)
+
 
 if __name__ == "__main__":
     main()

@@ -284,8 +284,9 @@ def test_compiled_ce_writes_no_fp32_logits_and_equals_eager(chunk_size):
 def test_compiled_ce_reads_the_target_without_a_gather():
     """Under compile each chunk's target logit is a masked sum over the vocabulary, not a gather: inductor fuses a
     gather into the one kernel that fills the per-token losses of every chunk, whose int32 offsets into each chunk's
-    logits overflow past 2^31 / vocab rows (illegal memory access on the GPU: tests/gpu/test_linear_cross_entropy_cuda.py).
-    The graph the compiler receives holds no gather, and the loss equals eager's."""
+    logits overflow past 2^31 / vocab rows (an illegal memory access on the GPU:
+    tests/gpu/test_linear_cross_entropy_cuda.py). The graph the compiler receives holds no gather, and the loss
+    equals eager's."""
     from torch._dynamo.backends.common import aot_autograd
 
     graphs = []
