@@ -15,6 +15,7 @@ import inspect
 import math
 import os
 import sys
+import time
 import types
 import typing
 from dataclasses import dataclass, field
@@ -1055,12 +1056,17 @@ def _pack_extra(cls: type, values: dict[str, Any]) -> dict[str, Any]:
     return packed
 
 
+QUIET_RANK_WAIT_S = 30.0  # main_guard: how long a non-printing rank waits for torchrun to stop it
+
+
 def main_guard(fn: Callable[..., T]) -> Callable[..., T]:
     """Wrap an entry point: a ConfigError prints one line to stderr and exits with code 2.
 
     Call load_config first thing inside `fn`, before any process group starts, so every rank fails the same way.
     Under torchrun only each host's first process (LOCAL_RANK 0) prints the line, once per host rather than once per
-    rank; every process exits 2.
+    rank; every process exits 2. torchrun stops the other workers when the first one exits, so a quiet rank that
+    exited before the printing one had printed silenced the line (seen on a loaded CI machine): under torchrun the
+    quiet ranks wait, at most QUIET_RANK_WAIT_S seconds, for torchrun to stop them once the printing rank exits.
     """
 
     @functools.wraps(fn)
@@ -1071,6 +1077,8 @@ def main_guard(fn: Callable[..., T]) -> Callable[..., T]:
             if os.environ.get("LOCAL_RANK", "0") == "0":
                 print(f"error: {e}", file=sys.stderr)
                 sys.stderr.flush()
+            elif "TORCHELASTIC_RUN_ID" in os.environ:
+                time.sleep(QUIET_RANK_WAIT_S)
         raise SystemExit(2)
 
     return wrapper

@@ -275,3 +275,24 @@ def test_help_float8_names_every_keep_bf16_role(capsys):
     doc = capsys.readouterr().out.split("[float8]\n")[0]
     assert "FLOAT8_ROLES" not in doc
     assert all(re.search(rf"\b{role}\b", doc) for role in FLOAT8_ROLES), doc
+
+
+def test_main_guard_quiet_rank_waits_for_torchrun_to_stop_it(monkeypatch, capsys):
+    """Under torchrun a rank other than the host's first does not print and does not exit first: torchrun stops the
+    other workers when one exits, which silenced the printing rank when a quiet one won the race."""
+    import torchtitan_glm.config as config_module
+
+    slept = []
+    monkeypatch.setattr(config_module.time, "sleep", slept.append)
+    guarded = main_guard(lambda: load_config(["--training.seq_len", "0"]))
+    for env, want_sleep, want_line in (({"LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "x"}, [30.0], False),
+                                       ({"LOCAL_RANK": "1"}, [], False),  # not torchrun: nothing stops it
+                                       ({"LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x"}, [], True)):
+        slept.clear()
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        with pytest.raises(SystemExit) as info:
+            guarded()
+        assert info.value.code == 2 and slept == want_sleep
+        assert ("training.seq_len" in capsys.readouterr().err) == want_line
