@@ -121,8 +121,8 @@ def main() -> None:
         kl_sum = kl.detach().clone()
         dist.all_reduce(kl_sum, group=dp_cp)
         # the KL is a difference of near-equal log-probabilities (5e-5 here, from terms of order 1): compare on the
-        # scale of those, 1e-6 absolute (FP32 rounding of the terms gave 1.1e-8, a machine with other BLAS builds
-        # than the last; a KL of the wrong ranks or scale is off by its own size)
+        # scale of those, 1e-6 absolute (FP32 rounding of the terms gave 1.1e-8 on one CPU machine, where others
+        # had passed 1e-8; a KL of the wrong ranks or scale is off by its own size)
         check(f"step {step} KL", kl_sum / dims.dp, ref_kl.detach(), 1e-6, floor=1.0)
         check(f"step {step} grad norm", norm, ref_norm, 1e-5)
         ref_params = dict(ref.named_parameters())
