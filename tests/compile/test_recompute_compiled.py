@@ -31,6 +31,7 @@ def _step(modules: tuple[str, ...], *, compiled: bool, mode: str | None = None, 
 
 @pytest.mark.parametrize("modules", [("kda", "mla_up_proj"),
                                      pytest.param(("mhc", "indexer", "moe"), marks=pytest.mark.slow)])
+@pytest.mark.long
 def test_compiled_choices_attribute_and_match_eager(modules):
     ref_loss, ref_grads, _ = _step((), compiled=False)
     loss, grads, seen = _step(modules, compiled=True)
@@ -63,6 +64,7 @@ def test_recompute_modules_compile_once_per_kind_of_block():
 
 
 @pytest.mark.parametrize("mode", ["full", pytest.param("selective", marks=pytest.mark.slow)])
+@pytest.mark.long
 def test_compiled_moe_chunks_match_eager(mode):
     """activation_checkpoint.moe_chunk_tokens inside fullgraph-compiled blocks (nested checkpoints under full AC)."""
     ref_loss, ref_grads, _ = _step((), compiled=False)

@@ -91,6 +91,7 @@ def test_graph_count_independent_of_depth():
 
 
 @pytest.mark.parametrize("document_masking", ["true", "false"])
+@pytest.mark.long
 def test_accumulating_trainer_steps_compile_once(tmp_path, world_of_one, document_masking):
     """The trainer under FSDP2 with two microbatches per step (training.global_batch_size; FSDP2's deferred reduce
     and held gathers switch between microbatches, outside the compiled blocks): steps 2-3 reuse step 1's graphs,

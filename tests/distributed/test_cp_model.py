@@ -25,6 +25,7 @@ def test_context_parallel_model_equals_one_process(nproc, kl, kernel):
     assert all(f"rank {r} OK" in res.stdout for r in range(nproc))
 
 
+@pytest.mark.long
 def test_train_py_with_context_parallelism_equals_one_process(tmp_path):
     """debug_model_cp.toml (cp = 2 on 2 ranks, selective AC: the CP KDA op's outputs saved, the DSA all-gathers
     recomputed) through train.py: the same losses as one process without AC on the same rows."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from torchtitan_glm.models.glm5 import from_pretrained
 
 from .test_train import SHORT, _losses, _run_ok
@@ -27,6 +29,7 @@ def test_fp8_debug_run_learns_and_tracks_bf16(tmp_path):
     assert abs(fp8[20] - bf16[20]) / bf16[20] < 0.05, (fp8[20], bf16[20])
 
 
+@pytest.mark.long
 def test_checkpoints_resume_across_precisions(tmp_path):
     run = SHORT + ["--checkpoint.interval", "2", "--metrics.enable_tensorboard", "false"]
     a, b = tmp_path / "a", tmp_path / "b"
@@ -50,6 +53,7 @@ def test_checkpoints_resume_across_precisions(tmp_path):
     assert model.args.num_hidden_layers == 4
 
 
+@pytest.mark.long
 def test_fp8_all_gather_under_tensor_parallelism_matches_plain_fp8(tmp_path):
     # FSDP2 x TP (2 gloo ranks, tp 2): the TP-split weights and the FSDP-only ones (KDA, indexer, ...) sit on
     # different meshes; the FP8 all-gather's precomputed scales must cover both and equal the scales the plain

@@ -66,6 +66,7 @@ def test_fsdp_tp_ep_load_and_export_read_and_write_only_their_shards(tmp_path):
                 assert f"rank {rank} {source} {layout} OK" in res.stdout
 
 
+@pytest.mark.long
 def test_expert_fsdp_load_and_export(tmp_path):
     """4 ranks, ep 2, each expert's rows split over the two ranks that hold it (parallelism.expert_fsdp, a 2-D
     DTensor): the HF load equals from_pretrained's and the export reproduces the BF16 and FP8 files."""

@@ -22,14 +22,15 @@ def _worker(nproc: int, *args: str) -> subprocess.CompletedProcess:
 
 
 SLOW = pytest.mark.slow
+LONG = pytest.mark.long  # in CI after the default suite (README, "Tests")
 LAYOUTS = [  # nproc, worker args: dp_shard tp ep [dp_replicate] [compile]
     pytest.param(2, ("2", "1", "1"), id="fsdp"),
     pytest.param(2, ("1", "2", "1"), id="tp"),
-    pytest.param(2, ("1", "2", "1", "dense_dsa"), id="tp_dense_dsa_kernel"),
+    pytest.param(2, ("1", "2", "1", "dense_dsa"), id="tp_dense_dsa_kernel", marks=LONG),
     pytest.param(2, ("2", "1", "2"), id="ep"),
-    pytest.param(4, ("2", "2", "1"), id="fsdp_tp"),
+    pytest.param(4, ("2", "2", "1"), id="fsdp_tp", marks=LONG),
     pytest.param(4, ("4", "1", "2"), id="fsdp_ep", marks=SLOW),  # whole experts (expert_fsdp off); CI time
-    pytest.param(4, ("4", "1", "2", "expert_fsdp"), id="fsdp_ep_expert_fsdp"),
+    pytest.param(4, ("4", "1", "2", "expert_fsdp"), id="fsdp_ep_expert_fsdp", marks=LONG),
     pytest.param(4, ("2", "2", "2"), id="tp_ep", marks=SLOW),
     pytest.param(4, ("2", "1", "2", "2"), id="hsdp_ep", marks=SLOW),
     pytest.param(4, ("2", "1", "2", "2", "expert_fsdp"), id="hsdp_ep_expert_fsdp", marks=SLOW),
@@ -47,6 +48,7 @@ def test_layout_equals_single_process(nproc, args):
 
 
 @pytest.mark.parametrize("config", ["debug_model_2d", "debug_model_ep"])
+@pytest.mark.long
 def test_parallel_configs_train(config, tmp_path):
     res = _run_ok(["--config", f"train_configs/{config}.toml", "--training.steps", "3", "--training.seq_len", "64",
                    "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1", f"--job.dump_folder={tmp_path}",

@@ -44,19 +44,22 @@ def _trains_and_resumes_exactly(tmp_path, extra: list[str], *, timeout: int, res
             f"step {step}: resumed {resumed[step]!r} != {losses[step]!r}")
 
 
+@pytest.mark.long
 def test_adamw_with_fsdp_cpu_offload(tmp_path):
     _trains_and_resumes_exactly(tmp_path, ["--optimizer.cpu_offload", "true"], timeout=300)
 
 
 # torchao's compiled step also trains (and its checkpoint resumes under the fused one) in the test below; its own
 # exact resume is slow (45-65 s on 2 cores), so it runs with -m slow
-@pytest.mark.parametrize("name,impl", [("AdamW8bit", "fused"), ("AdamWFp8", "fused"),
+@pytest.mark.parametrize("name,impl", [("AdamW8bit", "fused"),
+                                       pytest.param("AdamWFp8", "fused", marks=pytest.mark.long),
                                        pytest.param("AdamW8bit", "compiled", marks=pytest.mark.slow)])
 def test_torchao_low_bit_adamw(tmp_path, name, impl):
     _trains_and_resumes_exactly(tmp_path, ["--optimizer.name", name, "--optimizer.implementation", impl],
                                 timeout=900)
 
 
+@pytest.mark.long
 def test_low_bit_checkpoint_resumes_under_the_other_implementation(tmp_path):
     """A checkpoint of torchao's compiled AdamW8bit step resumes under the fused one (same states, same layout):
     the losses after the resume within 1e-5 of the uninterrupted compiled run's (the two steps agree to FP32

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from torchtitan_glm.planner.core import build_inventory, load_request, Request
 from torchtitan_glm.planner.hardware import H200
 from torchtitan_glm.planner.layout import resolve_layout
@@ -29,6 +31,7 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.long
 def test_planned_state_bytes_equal_what_ranks_hold(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
            str(Path(__file__).with_name("_planner_worker.py")), ";".join(CONFIGS)]

@@ -180,6 +180,7 @@ def _worker_pid(torchrun_pid: int, rank: int) -> int:
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+@pytest.mark.long
 def test_signal_saves_the_step_reached_and_the_resumed_run_is_exact(tmp_path, reference_run, sig):
     """SIGTERM (preemption) reaches one worker only: the ranks still stop at the same step, the job exits 0.
     SIGINT (Ctrl-C) reaches torchrun, which forwards it to the workers (torchrun itself then exits non-zero)."""
@@ -224,6 +225,7 @@ def test_signal_saves_the_step_reached_and_the_resumed_run_is_exact(tmp_path, re
 
 # ------------------------------------------------------------------------------------------------ resume
 @pytest.mark.parametrize("case", ["fewer_steps", "seq_len", "corrupt_newest_and_longer_schedule"])
+@pytest.mark.long
 def test_resume_explains_itself(tmp_path, reference_run, case):
     full_dir, _ = reference_run
     dump = tmp_path / "run"

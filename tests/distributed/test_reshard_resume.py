@@ -24,6 +24,7 @@ LAYOUTS = {  # nproc, overrides (the global batch stays 4 rows)
 # ep2 (~25 s) is slow-marked for CI time: EP's resharding (experts Shard(0) over ep, out of FSDP) is what the other
 # two exercise for DTensors, and test_layouts.py checks EP against one process
 @pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k == "ep2" else k for k in LAYOUTS])
+@pytest.mark.long
 def test_resume_under_another_layout_continues_the_same_losses(tmp_path, reference_run, layout):
     full_dir, _ = reference_run
     dump = tmp_path / "run"
@@ -44,6 +45,7 @@ def test_resume_under_another_layout_continues_the_same_losses(tmp_path, referen
         assert resumed[step] == pytest.approx(full[step], rel=1e-5, abs=0), f"step {step}"
 
 
+@pytest.mark.long
 def test_a_tensor_parallel_checkpoint_resumes_under_fsdp(tmp_path):
     """The other direction: under tp=2 some parameters are plain tensors that FSDP makes DTensors, so the optimizer's
     param groups (plain and DTensor apart) hold other parameters than the checkpoint's. The resumed dp=2 run takes

@@ -38,6 +38,7 @@ def test_benchmark_script_writes_one_row_per_run(tmp_path, scope):
     assert f"scope: {scope}" in proc.stdout
 
 
+@pytest.mark.long
 def test_fp8_rows_can_keep_the_routed_experts_bf16(tmp_path):
     """--float8-moe-experts off converts the serving split's Linears and leaves the grouped experts BF16, so FP8's
     two parts can be timed apart; the table says what each row converted."""
@@ -50,6 +51,7 @@ def test_fp8_rows_can_keep_the_routed_experts_bf16(tmp_path):
     assert f"tensorwise ({row['float8_linears']} Linear, 0 expert weights)" in proc.stdout
 
 
+@pytest.mark.long
 def test_runs_name_their_own_recompute_modules(tmp_path):
     """`selective+kda` in --runs times that recompute choice beside others in one call; runs naming none take
     --recompute-modules. Recomputing changes what is saved, not the function: the same loss at init (fp32)."""
@@ -85,6 +87,7 @@ def test_benchmark_sweeps_lengths_with_auto_ac_and_both_kl_forms(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="per-run host peaks need Linux")
+@pytest.mark.long
 def test_sweep_rows_report_their_own_host_peak_and_offload(tmp_path):
     """Each row's host_peak_rss_gib is its own run's (VmHWM restarted per run): a short row after a long one reports
     less. offload_inputs rows say so; on the CPU nothing is pinned, so none is counted as offloaded."""
@@ -101,6 +104,7 @@ def test_sweep_rows_report_their_own_host_peak_and_offload(tmp_path):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message shown without CUDA")
+@pytest.mark.long
 def test_gpu_benchmarks_say_they_need_cuda():
     proc = _run("scripts/benchmark.py", "--seq-len", "sweep", "--runs", "compiled:auto")
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "on CPU use --flavor debug" in proc.stderr
@@ -196,6 +200,7 @@ def test_benchmark_against_transformers_refuses_train_scope():
     (("--seq-len", "128", "--docs", "65"), "--docs"), (("--flavor", "nosuch"), "--flavor"),
     (("--out", "/nonexistent/folder/rows.json"), "--out"),
 ])
+@pytest.mark.long
 def test_benchmark_bad_arguments_exit_2_naming_the_option(args, named):
     proc = _run("scripts/benchmark.py", "--flavor", "debug", *args, timeout=120)
     assert proc.returncode == 2 and named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -253,6 +258,7 @@ def test_cpu_peak_counts_temporaries_inside_custom_ops():
     assert 64 << 20 <= meter.peak_bytes - x.untyped_storage().nbytes() < (64 << 20) + 4096
 
 
+@pytest.mark.long
 def test_profile_on_cpu_and_the_table_shows_moe_chunk_tokens(tmp_path):
     """--profile prints the profiled step's ops on CPU too; the markdown table has a column for
     --moe-chunk-tokens (in the JSON rows), so runs differing only in chunk size are told apart."""
@@ -268,6 +274,7 @@ def test_profile_on_cpu_and_the_table_shows_moe_chunk_tokens(tmp_path):
     assert body[header.index("DSA dense max")] == str(row["dsa_dense_max_len"])
 
 
+@pytest.mark.long
 def test_profile_match_keeps_the_named_rows_and_sums_their_self_time(tmp_path):
     """--profile-match prints only the profiled ops whose names hold one of the substrings, with their count and
     summed self time (on CPU, ops' self CPU time; the sum equals the rows' own column); without --profile the
@@ -333,6 +340,7 @@ def test_micro_benchmark_argument_types(monkeypatch):
     ("bench_dsa.py", ("--seq-len", "4096,"), "--seq-len"), ("bench_dsa.py", ("--steps", "0"), "--steps"),
     ("bench_kda.py", ("--seq-len", "abc"), "--seq-len"), ("bench_causal_conv.py", ("--warmup", "-1"), "--warmup"),
     ("bench_sparse_mla_configs.py", ("--configs", "64,32,8;32,16,8,1"), "--configs")])
+@pytest.mark.long
 def test_micro_benchmarks_refuse_bad_flags_before_asking_for_cuda(script, args, named):
     proc = _run(f"scripts/{script}", *args, timeout=120)
     assert proc.returncode == 2 and f"argument {named}" in proc.stderr, proc.stderr[-2000:]
@@ -348,6 +356,7 @@ def test_help_cites_files_of_the_repository_and_the_tie_caveat():
     assert "no ties" in proc.stdout and "4th" in proc.stdout
 
 
+@pytest.mark.long
 def test_against_transformers_losses_agree_exactly_without_indexer_ties(monkeypatch):
     """The help's tie claim: at T = 64 the debug flavor's 4-head ReLU indexer has exact score ties (ours break them
     toward the earlier pool, torch.topk need not); with 32 indexer heads the two init losses agree to fp32."""
@@ -369,6 +378,7 @@ def test_against_transformers_losses_agree_exactly_without_indexer_ties(monkeypa
     assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-6)
 
 
+@pytest.mark.long
 def test_saved_activations_lists_what_the_kda_block_keeps():
     """scripts/saved_activations.py on CPU (debug flavor): both forms listed, and the compiled block keeps no FP32
     tensor of the KDA width [1, T, heads x head_dim] (the short convs' inputs are saved in BF16)."""

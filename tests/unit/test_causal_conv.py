@@ -228,6 +228,7 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.long
 def test_triton_kernels_under_interpreter():
     """The Triton forward and backward against the torch reference, run by Triton's CPU interpreter."""
     res = run_interpreted("-c", _INTERPRET_SCRIPT)

@@ -66,6 +66,7 @@ def test_offloaded_inputs_give_identical_loss_and_grads(plain_full):
     assert offload.offloaded_bytes == offload_host_bytes(args, tokens=BATCH * SEQLEN, act_bytes=4, mtp=True)
 
 
+@pytest.mark.long
 def test_compiled_blocks_offload_the_same_inputs(plain_full):
     """Blocks compiled with fullgraph=True (AOTAutograd saves the checkpoint's inputs): the hooks still apply."""
     ref_loss, ref_grads, _, _ = plain_full

@@ -212,6 +212,7 @@ def test_full_config_layout_on_64_h200(monkeypatch, tmp_path):
     assert f"{whole.memory.peak / GIB:.1f} GiB peak per GPU" in comment.replace("\n# ", " ")
 
 
+@pytest.mark.long
 def test_128k_config_layout_on_64_h200(monkeypatch, tmp_path):
     """glm5_3_flash_128k.toml: 131,072-token rows over cp = 16 ranks; the trainer accepts its layout on 64 ranks, the
     planner says it fits, its header's figures are the planner's, and the 128K search ranks it first."""

@@ -119,7 +119,7 @@ def test_eager_inventories_match_saved_tensors():
     _compare(measured_saved("eager", "none"), planned_saved("eager"))
 
 
-@pytest.mark.parametrize("ac,regime", [("none", "compiled"),
+@pytest.mark.parametrize("ac,regime", [pytest.param("none", "compiled", marks=pytest.mark.long),
                                        pytest.param("selective", "selective", marks=pytest.mark.slow),
                                        pytest.param("full", "full", marks=pytest.mark.slow)])
 def test_compiled_inventories_match_saved_tensors(ac, regime):  # 30-70 s each on 2 CPU cores (tracing, no codegen)
@@ -141,6 +141,7 @@ def test_document_ids_cost_what_the_plan_says(mode, ac, regime):
     assert saving["layers.0"] > 0 and saving["layers.3"] == 0
 
 
+@pytest.mark.long
 def test_compiled_inventories_with_every_recompute_module():  # ~16 s: one compile of the selective blocks
     every = ("kda", "mhc", "indexer", "mla_up_proj", "sparse_attn", "moe", "mlp")
     measured, planned = measured_saved("compiled", "selective", recompute=every), planned_saved("selective", every)
@@ -152,6 +153,7 @@ def test_compiled_inventories_with_every_recompute_module():  # ~16 s: one compi
 # layers, indexer the DSA ones) or different terms of one block (mla_up_proj the MLA's, moe the router's and the
 # shared expert's), so a term attributed to the wrong label still shows as a mismatch.
 @pytest.mark.parametrize("labels", [("kda", "indexer"), ("mlp", "sparse_attn"), ("mhc",), ("mla_up_proj", "moe")])
+@pytest.mark.long
 def test_compiled_inventories_per_recompute_module(labels):  # ~16 s each: which terms each label drops
     measured, planned = measured_saved("compiled", "selective", recompute=labels), planned_saved("selective", labels)
     _compare(measured, planned)

@@ -9,6 +9,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 
 from torchtitan_glm.config import load_config
@@ -141,6 +142,7 @@ def test_help_is_the_scripts_own():
     assert "train.py's config keys" in res.stdout and "usage: train.py" not in res.stdout
 
 
+@pytest.mark.long
 def test_indexer_weights_fp32_keeps_the_bf16_rows_and_says_the_matmul_is_fp32():
     config = ["--config", str(ROOT / "train_configs/glm5_3_flash.toml")]
     rows, _, _, notes = report([*config, "--model.indexer_weights_fp32", "true"])  # the config's value, said here

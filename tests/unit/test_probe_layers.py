@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.script_loader import load_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,6 +30,7 @@ def test_first_divergence_names_the_first_layer_off(monkeypatch):
     assert probe.first_divergence(ref, [_row(7.4e32, 18.0, 24.9, 33.0, 34.3)] * 2, rtol=0.05) == (0, "loss")
 
 
+@pytest.mark.long
 def test_script_runs_eager_and_compiled_on_cpu(tmp_path):
     out = tmp_path / "probe.json"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "probe_layers.py"), "--flavor", "debug",
