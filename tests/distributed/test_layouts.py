@@ -22,7 +22,7 @@ def _worker(nproc: int, *args: str) -> subprocess.CompletedProcess:
 
 
 SLOW = pytest.mark.slow
-LONG = pytest.mark.long  # in CI after the default suite (README, "Tests")
+LONG = pytest.mark.long  # CI runs these after the default suite (pyproject.toml's markers)
 LAYOUTS = [  # nproc, worker args: dp_shard tp ep [dp_replicate] [compile]
     pytest.param(2, ("2", "1", "1"), id="fsdp"),
     pytest.param(2, ("1", "2", "1"), id="tp"),
