@@ -179,8 +179,7 @@ def _worker_pid(torchrun_pid: int, rank: int) -> int:
     raise AssertionError(f"no rank-{rank} worker of torchrun {torchrun_pid}")
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
-@pytest.mark.long
+@pytest.mark.parametrize("sig", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.long)])
 def test_signal_saves_the_step_reached_and_the_resumed_run_is_exact(tmp_path, reference_run, sig):
     """SIGTERM (preemption) reaches one worker only: the ranks still stop at the same step, the job exits 0.
     SIGINT (Ctrl-C) reaches torchrun, which forwards it to the workers (torchrun itself then exits non-zero)."""
@@ -224,8 +223,8 @@ def test_signal_saves_the_step_reached_and_the_resumed_run_is_exact(tmp_path, re
 
 
 # ------------------------------------------------------------------------------------------------ resume
-@pytest.mark.parametrize("case", ["fewer_steps", "seq_len", "corrupt_newest_and_longer_schedule"])
-@pytest.mark.long
+@pytest.mark.parametrize("case", ["fewer_steps", pytest.param("seq_len", marks=pytest.mark.long),
+                                  pytest.param("corrupt_newest_and_longer_schedule", marks=pytest.mark.long)])
 def test_resume_explains_itself(tmp_path, reference_run, case):
     full_dir, _ = reference_run
     dump = tmp_path / "run"

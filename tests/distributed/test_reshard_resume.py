@@ -22,9 +22,12 @@ LAYOUTS = {  # nproc, overrides (the global batch stays 4 rows)
 
 
 # ep2 (~25 s) is slow-marked for CI time: EP's resharding (experts Shard(0) over ep, out of FSDP) is what the other
-# two exercise for DTensors, and test_layouts.py checks EP against one process
-@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k == "ep2" else k for k in LAYOUTS])
-@pytest.mark.long
+# two exercise for DTensors, and test_layouts.py checks EP against one process. one_process stays in the default
+# suite; tp2 and ep2_expert_fsdp are `long` (CI runs them after it)
+_MARKS = {"ep2": pytest.mark.slow, "tp2": pytest.mark.long, "ep2_expert_fsdp": pytest.mark.long}
+
+
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=_MARKS.get(k, ())) for k in LAYOUTS])
 def test_resume_under_another_layout_continues_the_same_losses(tmp_path, reference_run, layout):
     full_dir, _ = reference_run
     dump = tmp_path / "run"
