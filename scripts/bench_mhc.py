@@ -78,7 +78,8 @@ def main() -> int:
     rows = []
     for seq_len in a.seq_len:
         for name, fn in variants(seq_len, "cuda", torch.bfloat16).items():
-            row = dict(seq_len=seq_len, variant=name, fwd_bwd_ms=round(median_ms(fn, steps=a.steps, warmup=a.warmup), 3))
+            row = dict(seq_len=seq_len, variant=name,
+                       fwd_bwd_ms=round(median_ms(fn, steps=a.steps, warmup=a.warmup), 3))
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, BF16\n")

@@ -1,7 +1,8 @@
 """Step time and peak memory of one training forward+backward, eager vs compiled, with and without activation
 checkpointing, on one device; optionally swept over sequence lengths.
 
-    python scripts/benchmark.py --flavor glm5_3_flash_proxy --seq-len 4096 --runs eager:none,compiled:none,eager:full,compiled:full
+    python scripts/benchmark.py --flavor glm5_3_flash_proxy --seq-len 4096 \\
+        --runs eager:none,compiled:none,eager:full,compiled:full
     python scripts/benchmark.py --seq-len sweep --runs compiled:auto      # T = 4K ... 128K, the AC each T needs
 
 Weights are BF16, no FSDP, no optimizer; one row of `--docs` packed documents, passed as train.py passes them (their
@@ -446,7 +447,8 @@ def main() -> None:
                         "comma-separated (kda, mhc, indexer, mla_up_proj, sparse_attn, moe, mlp; moe_act, as "
                         "train.py takes it)")
     p.add_argument("--moe-chunk-tokens", type=int, default=0,
-                   help="activation_checkpoint.moe_chunk_tokens: routed experts over checkpointed token chunks (0 = off)")
+                   help="activation_checkpoint.moe_chunk_tokens: routed experts over checkpointed token chunks "
+                        "(0 = off)")
     p.add_argument("--offload-inputs", action="store_true",
                    help="activation_checkpoint.offload_inputs for the full-AC runs: their blocks' saved inputs in "
                         "pinned host memory")

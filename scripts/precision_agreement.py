@@ -60,7 +60,8 @@ def run(model: Glm5Model, batch: dict[str, torch.Tensor], device: torch.device) 
         tail = module.kpool - 1 if module.indexer.always_select_tail else 0
         selected.append(indices[..., : indices.shape[-1] - tail].flatten(0, 1).long())
 
-    hooks = [m.register_forward_hook(keep) for m in model.modules() if isinstance(m, SparseMLA) and m.indexer is not None]
+    hooks = [m.register_forward_hook(keep) for m in model.modules()
+             if isinstance(m, SparseMLA) and m.indexer is not None]
     try:
         out = model.hidden_states(batch["input_ids"].to(device), doc_ids=batch["doc_ids"].to(device), with_mtp=False)
     finally:

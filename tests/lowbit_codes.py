@@ -1,8 +1,8 @@
 """AdamW8bit's 8-bit codes found each way of ops/adamw_lowbit_triton.py (from the map's structure, checked against
-the map where uncertain or everywhere, and by binary search over the map) on values that probe every decision: each map entry and each midpoint between neighbours, a few
-FP32 ulps either side, the powers of ten, and random values of every magnitude. Run under Triton's CPU interpreter by
-tests/unit/test_lowbit_step.py and on a GPU by tests/gpu/test_lowbit_step_cuda.py. `python tests/lowbit_codes.py`
-prints the mismatches and exits 1 on any."""
+the map where uncertain or everywhere, and by binary search over the map) on values that probe every decision: each map
+entry and each midpoint between neighbours, a few FP32 ulps either side, the powers of ten, and random values of every
+magnitude. Run under Triton's CPU interpreter by tests/unit/test_lowbit_step.py and on a GPU by
+tests/gpu/test_lowbit_step_cuda.py. `python tests/lowbit_codes.py` prints the mismatches and exits 1 on any."""
 
 from __future__ import annotations
 

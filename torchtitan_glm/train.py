@@ -329,7 +329,8 @@ class Trainer:
         self.profiler = StepProfiler(cfg=cfg.profiling, dump_folder=cfg.job.dump_folder, rank=self.rank,
                                      device=self.device)
         self.flops_per_token = flops_per_token(self.args, cfg.training.seq_len)
-        self.peak_flops = get_peak_flops(torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None)
+        self.peak_flops = get_peak_flops(
+            torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None)
         self.step = 0
         self.stop = StopRequest()
 

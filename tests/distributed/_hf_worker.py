@@ -29,7 +29,8 @@ from torchtitan_glm.models.glm5.hf_io import from_pretrained
 from torchtitan_glm.models.glm5.parallelize import parallelize_glm5
 from torchtitan_glm.components.errors import exit_now
 
-LAYOUTS = {"fsdp": dict(data_parallel_shard_degree=2), "tp": dict(data_parallel_shard_degree=1, tensor_parallel_degree=2),
+LAYOUTS = {"fsdp": dict(data_parallel_shard_degree=2),
+           "tp": dict(data_parallel_shard_degree=1, tensor_parallel_degree=2),
            "ep": dict(data_parallel_shard_degree=2, expert_parallel_degree=2)}
 LAYOUTS_4 = {"ep_expert_fsdp": dict(data_parallel_shard_degree=4, expert_parallel_degree=2, expert_fsdp=True)}
 

@@ -60,7 +60,8 @@ def check(name, got, want, tol=2e-5, floor=1e-8):
     """max |got - want| <= tol * max(max |want|, floor) (tol times SCALE, capped at 3e-2)."""
     tol = min(tol * SCALE[0], 3e-2) if SCALE[0] != 1.0 else tol
     err = (got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(floor)
-    assert torch.isfinite(got).all() and err <= tol, f"{name}: rel err {err:.2e} ({got.flatten()[:4]} vs {want.flatten()[:4]})"
+    assert torch.isfinite(got).all() and err <= tol, (
+        f"{name}: rel err {err:.2e} ({got.flatten()[:4]} vs {want.flatten()[:4]})")
 
 
 def main() -> None:

@@ -13,7 +13,8 @@ from .test_train import _free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("nproc,kl,kernel", [(2, "dense", "sparse"), (4, "sparse", "sparse"), (2, "sparse", "dense_dsa")])
+@pytest.mark.parametrize("nproc,kl,kernel",
+                         [(2, "dense", "sparse"), (4, "sparse", "sparse"), (2, "sparse", "dense_dsa")])
 def test_context_parallel_model_equals_one_process(nproc, kl, kernel):
     """kernel dense_dsa: the DSA selection through masked SDPA (model.dsa_dense_max_len), each rank's mask
     [B, T / cp, T] scattered from its queries' indices over the whole rows."""

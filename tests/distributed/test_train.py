@@ -175,8 +175,8 @@ def test_initial_hf_load_and_final_hf_export(tmp_path):
     save_pretrained(Glm5Model(get_flavor("debug")), tmp_path / "hf_init")
     _run_ok(SHORT + [f"--job.dump_folder={tmp_path / 'run'}", "--training.steps", "2", "--lr_scheduler.warmup_steps",
                      "1", "--optimizer.lr", "1e-30", "--loss.router_bias_update_rate", "0",
-                     f"--checkpoint.initial_load_path={tmp_path / 'hf_init'}", "--checkpoint.initial_load_in_hf", "true",
-                     "--checkpoint.last_save_in_hf", "true", "--checkpoint.export_dtype", "float32"])
+                     f"--checkpoint.initial_load_path={tmp_path / 'hf_init'}", "--checkpoint.initial_load_in_hf",
+                     "true", "--checkpoint.last_save_in_hf", "true", "--checkpoint.export_dtype", "float32"])
     exported = load_file(tmp_path / "run" / "checkpoint" / "hf-step-2" / "model.safetensors")
     original = load_file(tmp_path / "hf_init" / "model.safetensors")
     assert exported.keys() == original.keys()
@@ -198,8 +198,9 @@ def test_dense_warmup_trains_only_the_indexer(tmp_path):
 
     torch.manual_seed(0)
     save_pretrained(Glm5Model(get_flavor("debug")), tmp_path / "hf_init")
-    res = _run_ok(SHORT + [f"--job.dump_folder={tmp_path / 'run'}", "--training.steps", "3", "--lr_scheduler.warmup_steps",
-                           "1", "--loss.indexer_stage", "dense_warmup", "--loss.router_bias_update_rate", "0",
+    res = _run_ok(SHORT + [f"--job.dump_folder={tmp_path / 'run'}", "--training.steps", "3",
+                           "--lr_scheduler.warmup_steps", "1", "--loss.indexer_stage", "dense_warmup",
+                           "--loss.router_bias_update_rate", "0",
                            f"--checkpoint.initial_load_path={tmp_path / 'hf_init'}", "--checkpoint.initial_load_in_hf",
                            "true", "--checkpoint.last_save_in_hf", "true", "--checkpoint.export_dtype", "float32"])
     assert "indexer_kl_loss" in res.stdout

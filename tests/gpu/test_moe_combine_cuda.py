@@ -1,6 +1,7 @@
 """The MoE combine on CUDA in BF16 (models/glm5/moe.py::MoE._routed): the same output, input-gradient and
 routing-weight-gradient bits run to run, eager and compiled (no atomics), and in eager each output within half a BF16
-ulp of the exact sum of its k rounded products (one rounding; inductor keeps the products in FP32, so the bound is checked in eager only)."""
+ulp of the exact sum of its k rounded products (one rounding; inductor keeps the products in FP32, so the bound is
+checked in eager only)."""
 
 from __future__ import annotations
 

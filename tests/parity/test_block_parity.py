@@ -29,7 +29,8 @@ def test_hyper_connection(hc_mult):
                            hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
     load_from_hf(ours, ref)
     # Embedding-like inputs with per-token RMS below sqrt(eps): eps placement inside the sqrt matters here.
-    streams = torch.randn(2, 9, hc_mult, 64) * torch.tensor([1.0, 1e-3]).repeat_interleave(torch.tensor([5, 4])).view(1, 9, 1, 1)
+    streams = (torch.randn(2, 9, hc_mult, 64)
+               * torch.tensor([1.0, 1e-3]).repeat_interleave(torch.tensor([5, 4])).view(1, 9, 1, 1))
     for r, o in zip(ref(streams), ours(streams)):
         assert_close(o, r)
 

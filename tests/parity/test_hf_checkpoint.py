@@ -62,7 +62,8 @@ def write_variant(src: Path, dst: Path, tensors: dict[str, torch.Tensor], config
     dst.mkdir(parents=True)
     cfg = json.loads((src / "config.json").read_text()) if config is None else config
     (dst / "config.json").write_text(json.dumps(cfg))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
     return dst
 
 
@@ -126,7 +127,8 @@ def test_mixed_dtype_hf_round_trip(hf_dir, tmp_path):
     # What transformers writes for a BF16 model: BF16 everywhere except its keep-in-FP32 list (A_log, dt_bias, conv1d,
     # hc base/scale, router weight and bias). hc fn and the KPool APE are BF16 in the file but FP32 in our model.
     mixed_dir = tmp_path / "mixed"
-    transformers.Glm5NextForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.bfloat16).save_pretrained(mixed_dir)
+    transformers.Glm5NextForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.bfloat16).save_pretrained(
+        mixed_dir)
     files = read_files(mixed_dir)
     assert files[f"{P}layers.0.hc_attn_fn"].dtype == torch.bfloat16
     assert files[f"{P}layers.0.self_attn.A_log"].dtype == torch.float32

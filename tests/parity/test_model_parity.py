@@ -124,7 +124,8 @@ def test_full_flavor_on_meta_device():
     assert sum(a == "indexed_attention" for a in args.layer_types) == 11 and len(args.layer_types) == 45
     total, active = count_params(model)
     with torch.device("meta"):
-        ref = transformers.models.glm5_next.modeling_glm5_next.Glm5NextTextModel(transformers.Glm5NextTextConfig(index_kpool=args.index_kpool))
+        ref = transformers.models.glm5_next.modeling_glm5_next.Glm5NextTextModel(
+            transformers.Glm5NextTextConfig(index_kpool=args.index_kpool))
     ref_total = sum(p.numel() for p in ref.parameters()) + args.vocab_size * args.hidden_size  # + lm_head
     mtp = sum(p.numel() for p in model.mtp.parameters())
     assert total == ref_total + mtp

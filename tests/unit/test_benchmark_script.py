@@ -83,7 +83,8 @@ def test_benchmark_sweeps_lengths_with_auto_ac_and_both_kl_forms(tmp_path):
         assert f"indexer KL {kl}, indexer tiles of {1 << 26} elements, 2 document(s) per row" in proc.stdout
         rows += json.loads(out.read_text())
     assert [(r["seq_len"], r["ac"], r["indexer_kl"]) for r in rows] == [
-        (32, "selective", "sparse"), (64, "selective", "sparse"), (32, "selective", "dense"), (64, "selective", "dense")]
+        (32, "selective", "sparse"), (64, "selective", "sparse"),
+        (32, "selective", "dense"), (64, "selective", "dense")]
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="per-run host peaks need Linux")

@@ -70,7 +70,8 @@ def test_cli_bool_spellings(value, expected):
 def test_cli_optional_bool_takes_none_and_names_it_in_errors(value, expected):
     key = "--parallelism.fsdp_reduce_in_compute_pool"
     assert load_config([f"{key}={value}"]).parallelism.fsdp_reduce_in_compute_pool is expected
-    with pytest.raises(ConfigError, match=r"fsdp_reduce_in_compute_pool.*expected bool \(true/false\) or none, got 'maybe'"):
+    with pytest.raises(ConfigError,
+                       match=r"fsdp_reduce_in_compute_pool.*expected bool \(true/false\) or none, got 'maybe'"):
         load_config([key, "maybe"])
 
 

@@ -88,10 +88,12 @@ def test_trainer_set_model_field_points_at_its_key():
 
 
 def test_first_k_dense_replace_override_rederives_the_mlp_types():
-    args = load_config(["--model.flavor", "glm5_3_flash_proxy", "--model.first_k_dense_replace", "1"]).model.model_args()
+    args = load_config(["--model.flavor", "glm5_3_flash_proxy",
+                        "--model.first_k_dense_replace", "1"]).model.model_args()
     assert args.mlp_layer_types == ["dense"] + ["sparse"] * (args.num_hidden_layers - 1)
     given = ["sparse", "dense", "sparse", "sparse"]  # an explicit list still wins
-    args = load_config(["--model.first_k_dense_replace", "2", "--model.mlp_layer_types", ",".join(given)]).model.model_args()
+    args = load_config(["--model.first_k_dense_replace", "2",
+                        "--model.mlp_layer_types", ",".join(given)]).model.model_args()
     assert args.mlp_layer_types == given
 
 

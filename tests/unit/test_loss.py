@@ -124,7 +124,8 @@ def test_model_training_loss_equals_logits_loss():
     mtp = F.cross_entropy(model.lm_head(hs.mtp_hidden).flatten(0, 1), mtp_targets(labels).flatten(), reduction="sum",
                           ignore_index=-100)
     torch.testing.assert_close(out.loss, 0.25 * ce + 0.025 * mtp, rtol=1e-5, atol=1e-6)
-    assert mtp_targets(labels)[0, 4] == -100 and mtp_targets(labels)[0, 5] == -100 and mtp_targets(labels)[0, 3] == labels[0, 4]
+    assert (mtp_targets(labels)[0, 4] == -100 and mtp_targets(labels)[0, 5] == -100
+            and mtp_targets(labels)[0, 3] == labels[0, 4])
 
 
 def test_dense_indexer_kl_matches_direct_computation():

@@ -180,7 +180,8 @@ def test_tensorboard_event_file_only_once_a_step_is_logged(tmp_path):
     tb.log({"loss": 1.0}, 1)
     tb.close()
     assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1
-    for off in (TensorBoardLogger(str(tmp_path / "r1"), rank=1), TensorBoardLogger(str(tmp_path / "off"), enable=False)):
+    for off in (TensorBoardLogger(str(tmp_path / "r1"), rank=1),
+                TensorBoardLogger(str(tmp_path / "off"), enable=False)):
         off.log({"loss": 1.0}, 1)
         off.close()
     assert not (tmp_path / "r1").exists() and not (tmp_path / "off").exists()

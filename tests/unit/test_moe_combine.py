@@ -2,7 +2,8 @@
 rounding, in (token, slot) order, without atomics: the BF16 result is within half a BF16 ulp (plus the products'
 own rounding) of the exact sum, where adding the rows one by one in BF16, as a CUDA index_add's atomics do, is not
 (the CPU's index_add happens to round once too, so the old form cannot be told apart here: the sequential sum
-stands in for it); the same for the input's gradient; and the compiled graphs have no accumulating scatter. On CUDA: tests/gpu/test_moe_combine_cuda.py."""
+stands in for it); the same for the input's gradient; and the compiled graphs have no accumulating scatter. On CUDA:
+tests/gpu/test_moe_combine_cuda.py."""
 
 from __future__ import annotations
 

@@ -144,7 +144,8 @@ def test_expert_parallel_plan(monkeypatch):
     # 8 experts: 4 whole ones per rank (out of FSDP2) instead of half of each -- the same bytes
     assert out["memory"]["state_bytes"]["params"] == base["memory"]["state_bytes"]["params"]
     assert out["memory"]["state_bytes"]["replicated_params"] > base["memory"]["state_bytes"]["replicated_params"]
-    gathered = lambda plan: sum(c["bytes_per_rank"] for c in plan["collectives"] if c["name"] == "fsdp all-gather")  # noqa: E731
+    gathered = lambda plan: sum(c["bytes_per_rank"] for c in plan["collectives"]  # noqa: E731
+                                if c["name"] == "fsdp all-gather")
     assert gathered(out) < gathered(base)
     assert any(c["name"] == "ep all-to-all" for c in out["collectives"])
 
@@ -296,7 +297,8 @@ def test_recompute_modules_move_the_plan():
         assert more["time"]["compute_s"]["recompute_modules"] > 0
         assert more["time"]["tokens_per_s"] < plain["time"]["tokens_per_s"]
         assert more["memory"]["reserved_gib"] < plain["memory"]["reserved_gib"], labels
-        assert sum(more["memory"]["activation_terms_gib"].values()) < sum(plain["memory"]["activation_terms_gib"].values())
+        assert (sum(more["memory"]["activation_terms_gib"].values())
+                < sum(plain["memory"]["activation_terms_gib"].values()))
 
 
 @pytest.mark.parametrize("mode,reruns", [("none", 0), ("selective", 1), ("full", 1)])

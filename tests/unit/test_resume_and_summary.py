@@ -204,7 +204,8 @@ def test_layout_note_says_what_changed_and_where_the_data_continues():
         return run_info(cfg=cfg, args=cfg.model.model_args(), tokenizer_vocab_size=259, layout=layout,
                         global_batch_rows=rows)
 
-    dp2, tp2 = "dp_replicate=1 dp_shard=2 cp=1 tp=1 ep=1 (world 2)", "dp_replicate=1 dp_shard=1 cp=1 tp=2 ep=1 (world 2)"
+    dp2, tp2 = ("dp_replicate=1 dp_shard=2 cp=1 tp=1 ep=1 (world 2)",
+                "dp_replicate=1 dp_shard=1 cp=1 tp=2 ep=1 (world 2)")
     assert layout_note(info(dp2, 8), info(dp2, 8), next_row=80) is None
     assert layout_note(info(dp2, 8), info(tp2, 8), next_row=80) == (
         f"the parallel layout changed since the checkpoint ({dp2} -> {tp2}): its model and optimizer state are "

@@ -69,7 +69,8 @@ def test_internal_layout_renames_stacks_and_mtp():
         "layers.0.self_attn.decay.dt_bias": f"{P}layers.0.self_attn.dt_bias",
         "layers.0.self_attn.q_conv1d.weight": f"{P}layers.0.self_attn.q_conv1d.weight",
         "layers.1.self_attn.indexer.kpool_ape.weight": f"{P}layers.1.self_attn.indexer.index_kpool_compress_ape",
-        "layers.1.self_attn.indexer.index_kpool_compress_gate": f"{P}layers.1.self_attn.indexer.index_kpool_compress_gate",
+        "layers.1.self_attn.indexer.index_kpool_compress_gate":
+            f"{P}layers.1.self_attn.indexer.index_kpool_compress_gate",
         "mtp.shared_head.norm.weight": f"{P}layers.{n}.shared_head.norm.weight",
         "mtp.eh_proj.weight": f"{P}layers.{n}.eh_proj.weight",
         "mtp.self_attn.indexer.kpool_ape.weight": f"{P}layers.{n}.self_attn.indexer.index_kpool_compress_ape",

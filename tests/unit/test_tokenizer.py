@@ -80,7 +80,8 @@ def test_vocab_fit_is_checked_naming_both_sizes():
 
 
 # ----------------------------------------------------------------------------------- the tokenizer of an HF export
-EXPORT_TEXTS = [TEXT, "", " ", "\n\n\t", "a" * 1000, "日本語のテキスト", "e\u0301 (combining) \u00a0nbsp \x00\x7f",
+EXPORT_TEXTS = [TEXT, "", " ", "\n\n\t", "a" * 1000, "日本語のテキスト",
+                "e\u0301 (combining) \u00a0nbsp \x00\x7f",
                 "<eos> <|endoftext|> literal names of other tokenizers' specials"]
 
 
@@ -117,7 +118,8 @@ def test_byte_tokenizer_export_gives_the_same_ids(tmp_path):
     assert auto.decode([*byte.encode("import os"), 140]) == "import os\ufffd"
     for _ in range(500):
         ids = [rng.randrange(259) for _ in range(rng.randrange(1, 16))]
-        assert hf.decode(ids) == byte.decode(ids) and auto.decode(ids, skip_special_tokens=True) == byte.decode(ids), ids
+        assert (hf.decode(ids) == byte.decode(ids)
+                and auto.decode(ids, skip_special_tokens=True) == byte.decode(ids)), ids
 
 
 def test_hf_tokenizer_export_copies_its_files(tmp_path):

@@ -12,8 +12,8 @@ from torchtitan_glm.train import build_model_args
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("name", ["debug_model", "debug_model_2d", "debug_model_ep", "debug_model_cp", "glm5_3_flash_proxy",
-                                  "glm5_3_flash", "glm5_3_flash_128k"])
+@pytest.mark.parametrize("name", ["debug_model", "debug_model_2d", "debug_model_ep", "debug_model_cp",
+                                  "glm5_3_flash_proxy", "glm5_3_flash", "glm5_3_flash_128k"])
 def test_config_loads_and_builds(name, tmp_path):
     extra = []
     if name.startswith("glm5_3_flash") and name != "glm5_3_flash_proxy":  # a placeholder for the cluster's tokens

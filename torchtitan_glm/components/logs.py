@@ -257,7 +257,8 @@ def startup_summary(*, cfg: Any, args: Any, model: nn.Module, world: int, dp_siz
     rows = [
         ("model", _model_line(cfg, args)),
         ("parameters", f"{format_count(counts.total)} total, {format_count(counts.active)} active per token"),
-        ("layout", f"{world} rank(s), {backend} on {device.type}: " + (layout or f"FSDP2 data_parallel_shard={dp_size}")),
+        ("layout", f"{world} rank(s), {backend} on {device.type}: " + (
+            layout or f"FSDP2 data_parallel_shard={dp_size}")),
         ("precision", precision_line(cfg.training, cfg.float8, expert_modules=(
             sum(m.fp8 for m in experts), len(experts)))),
         ("compute", compute_line(cfg)),

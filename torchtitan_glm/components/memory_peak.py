@@ -119,7 +119,8 @@ def breakdown(snapshot: dict, *, title: str, top: int = 30) -> str:
     pools = reserved_by_stream(snapshot)
     if pools:
         lines += ["", "reserved when the snapshot was taken, by the stream whose pool holds it (stream 0: the "
-                  "default):", "| stream | reserved GiB | allocated GiB | cached GiB | segments |", "|---|---|---|---|---|"]
+                  "default):", "| stream | reserved GiB | allocated GiB | cached GiB | segments |",
+                  "|---|---|---|---|---|"]
         lines += [f"| {hex(st) if st else 0} | {r / 2**30:.3f} | {a / 2**30:.3f} | {(r - a) / 2**30:.3f} | {n} |"
                   for st, r, a, n in pools]
     return "\n".join(lines)

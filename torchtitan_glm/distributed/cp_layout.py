@@ -10,9 +10,9 @@ FLA's KDA chain does not support it, so models with KDA layers use the row zigza
 The index generation wraps torch's context-parallel load balancers
 (`torch.distributed.tensor.experimental._context_parallel._load_balancer`: `_HeadTailLoadBalancer`,
 `_PerDocumentHeadTailLoadBalancer`; present in torch 2.13; expected in 2.11 (added by pytorch PR #161062 in 2025,
-then moved into this package; not checked on a 2.11 install, the import also tries the older location). They are private; if an
-import fails the same indices come from `_fallback_*` below, and the tests assert both agree. torch 2.13's
-per-document balancer is document-major (see torch_per_document_is_rank_major), so there the fallback is used.
+then moved into this package; not checked on a 2.11 install, the import also tries the older location). They are
+private; if an import fails the same indices come from `_fallback_*` below, and the tests assert both agree. torch
+2.13's per-document balancer is document-major (see torch_per_document_is_rank_major), so there the fallback is used.
 
 Versions: torch 2.13 (CI) checked here; torch 2.11 (GPU) not checked. FLA: fla-core 0.6.0's `fla.ops.cp`
 (`build_cp_context(..., layout="zigzag")`, `chunk_kda_fwd/bwd(cp_context=...)`), imported lazily by ops/kda_cp.py

@@ -25,7 +25,8 @@ from torch import Tensor
 
 from torchtitan_glm.distributed.collectives import all_gather_autograd
 
-from .kda import _FLA_CHUNK, _L2_EPS, _autograd_inside_kernel, _fla, _segments, kda_segment, kda_transition, normalize_qk
+from .kda import (_FLA_CHUNK, _L2_EPS, _autograd_inside_kernel, _fla, _segments, kda_segment, kda_transition,
+                  normalize_qk)
 
 __all__ = ["kda_cp", "conv_halo", "CP_OP_LAYOUTS"]
 

@@ -187,8 +187,8 @@ def assumptions(gpu: GpuSpec) -> list[str]:
         "context parallelism as the trainer runs it: each rank computes seq_len / cp tokens of every row (zigzag); DSA "
         "keeps the all-gathered latent, pools the whole rows and runs the indexer KL per zigzag chunk (checked against "
         "2-rank gloo captures, eager and full AC); KDA chains its states through FLA's CP all-gathers (compute at "
-        "the single-rank FLA rate: the CP pre-pass is not timed); selective AC saves the CP KDA op's outputs (kda_cp_fwd) and "
-        "recomputes the conv-halo and DSA all-gathers",
+        "the single-rank FLA rate: the CP pre-pass is not timed); selective AC saves the CP KDA op's outputs "
+        "(kda_cp_fwd) and recomputes the conv-halo and DSA all-gathers",
     ]
 
 

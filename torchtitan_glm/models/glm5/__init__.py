@@ -13,5 +13,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["Glm5LossOutput", "Glm5Model", "Glm5ModelArgs", "Glm5Output", "ModelArgsError", "count_params", "from_pretrained",
-           "get_flavor", "save_pretrained"]
+__all__ = ["Glm5LossOutput", "Glm5Model", "Glm5ModelArgs", "Glm5Output", "ModelArgsError", "count_params",
+           "from_pretrained", "get_flavor", "save_pretrained"]

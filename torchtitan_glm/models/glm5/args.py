@@ -257,7 +257,8 @@ class Glm5ModelArgs:
         if self.dsa_attention not in ("sparse", "dense"):
             fail("dsa_attention", f"must be 'sparse' or 'dense', got {self.dsa_attention!r}")
         if self.num_nextn_predict_layers not in (0, 1):
-            fail("num_nextn_predict_layers", f"only 0 or 1 MTP layers are supported, got {self.num_nextn_predict_layers}")
+            fail("num_nextn_predict_layers",
+                 f"only 0 or 1 MTP layers are supported, got {self.num_nextn_predict_layers}")
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
             fail("pad_token_id", f"{self.pad_token_id} is outside the vocabulary [0, {self.vocab_size})")
 

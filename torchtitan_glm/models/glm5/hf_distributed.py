@@ -185,7 +185,8 @@ def load_hf_weights_into(model: nn.Module, hf_dir: str | os.PathLike, *,
     with ExitStack() as stack:
         handles = _open_files(stack, files)
         where, meta = _scan(handles, weight_map)
-    pairs = adapter.split_fp8_scales(meta, block=block, modules_to_not_convert=quant.get("modules_to_not_convert") or ())
+    pairs = adapter.split_fp8_scales(meta, block=block,
+                                     modules_to_not_convert=quant.get("modules_to_not_convert") or ())
     scales = set(pairs.values())
     report = adapter.check_hf({k: s for k, (_, s) in meta.items() if k not in scales}, allow_missing_mtp=True,
                               where={k: p.name for k, p in where.items()})
@@ -348,7 +349,8 @@ def _write_shards(model: nn.Module, m: Glm5Model, adapter: Glm5StateDictAdapter,
     del to_write
     consolidate_safetensors_files_on_every_rank(input_dir=str(sharded), output_dir=str(tmp),
                                                 fqn_to_index_mapping=mapping, num_threads=1, process_group=group)
-    return {"files": len(files), "mapping": mapping, "total_size": sum(sizes.values()), "shapes": shapes, "quantized": quantized, "indexers": _indexer_hf_modules(ref, adapter)}
+    return {"files": len(files), "mapping": mapping, "total_size": sum(sizes.values()), "shapes": shapes,
+            "quantized": quantized, "indexers": _indexer_hf_modules(ref, adapter)}
 
 
 def _finish(m: Glm5Model, adapter: Glm5StateDictAdapter, tmp: Path, out_dir: Path, plan: dict[str, Any], *,

@@ -117,7 +117,8 @@ def _scan(handles: Mapping[Path, Any], weight_map: Mapping[str, str]) -> tuple[d
                 raise CheckpointMismatchError(f"tensor {name} is stored twice: in {where[name].name} and {path.name}")
             if weight_map and weight_map.get(name) != path.name:
                 raise CheckpointMismatchError(
-                    f"tensor {name} is in {path.name} but the index maps it to {weight_map.get(name)}", unexpected=[name])
+                    f"tensor {name} is in {path.name} but the index maps it to {weight_map.get(name)}",
+                    unexpected=[name])
             sl = f.get_slice(name)
             where[name] = path
             meta[name] = (_ST_DTYPES.get(sl.get_dtype()), tuple(sl.get_shape()))
@@ -182,8 +183,8 @@ def from_pretrained(
         targets = model.state_dict(keep_vars=True)
         want = set(adapter.internal_names())
         if want != set(targets):
-            raise RuntimeError(f"state dict adapter and Glm5Model disagree: adapter-only {sorted(want - set(targets))}, "
-                               f"model-only {sorted(set(targets) - want)}")
+            raise RuntimeError("state dict adapter and Glm5Model disagree: adapter-only "
+                               f"{sorted(want - set(targets))}, model-only {sorted(set(targets) - want)}")
 
         origin = HfOrigin(path=str(hf_dir), config=copy.deepcopy(cfg), missing_mtp=bool(report.missing_mtp),
                           quantized=bool(pairs))

@@ -1,4 +1,5 @@
-"""KDA (Kimi Delta Attention) block: projections, short convs, low-rank decay and output gates, chunked gated delta rule."""
+"""KDA (Kimi Delta Attention) block: projections, short convs, low-rank decay and output gates, chunked gated delta
+rule."""
 
 from __future__ import annotations
 

@@ -53,7 +53,8 @@ def rms_linear(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Te
 
 
 def sinkhorn(logits: torch.Tensor, *, iters: int, eps: float) -> torch.Tensor:
-    """Doubly-stochastic projection of [..., n, n] logits: row softmax + eps, column norm, then (iters-1) x (row, col)."""
+    """Doubly-stochastic projection of [..., n, n] logits: row softmax + eps, column norm, then
+    (iters-1) x (row, col)."""
     comb = torch.softmax(logits, dim=-1) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
@@ -107,7 +108,8 @@ class HyperConnection(nn.Module):
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
         return post, comb, collapsed
 
-    def merge(self, residual: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    def merge(self, residual: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor,
+              comb: torch.Tensor) -> torch.Tensor:
         """New streams: out_i = post_i * y + sum_j comb[j, i] * x_j (comb applied transposed).
 
         By default (the reference) post and comb are cast to the streams' dtype first and mixed there; with

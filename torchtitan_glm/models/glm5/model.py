@@ -133,7 +133,8 @@ class Glm5Model(nn.Module):
             if doc_ids is not None:
                 raise ValueError("pass either cu_seqlens or doc_ids, not both")
             if bsz != 1:
-                raise ValueError(f"cu_seqlens needs a packed [1, total] batch, got tokens of shape {tuple(tokens.shape)}")
+                raise ValueError("cu_seqlens needs a packed [1, total] batch, got tokens of shape "
+                                 f"{tuple(tokens.shape)}")
             doc_ids = cu_seqlens_to_doc_ids(cu_seqlens, local_len)
         seqlen = local_len * (1 if cp is None else cp[1].size)
         batch = batch_layout(doc_ids, (bsz, seqlen), tokens.device, cp=cp, indexer_kl=indexer_kl, seq_aux=seq_aux,

@@ -52,7 +52,8 @@ class MTPLayer(nn.Module):
         return self.shared_head.norm(x), stats, moe_stats
 
     def init_weights(self) -> None:
-        for norm in (self.enorm, self.hnorm, self.input_layernorm, self.post_attention_layernorm, self.shared_head.norm):
+        for norm in (self.enorm, self.hnorm, self.input_layernorm, self.post_attention_layernorm,
+                     self.shared_head.norm):
             norm.init_weights()
         init_linear(self.eh_proj, std=self.init_std)
         self.self_attn.init_weights()

@@ -16,7 +16,8 @@ def cu_seqlens_to_doc_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.searchsorted(cu[1:], pos, right=True).unsqueeze(0)
 
 
-def doc_positions(doc_ids: torch.Tensor | None, batch: int, seqlen: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def doc_positions(doc_ids: torch.Tensor | None, batch: int, seqlen: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pos_in_doc, doc_len, doc_key), each [B, T] int64; doc_key is equal iff two tokens share a document.
 
     Without doc_ids every row is one document. Static shapes, no host sync: safe inside compiled blocks.

@@ -88,7 +88,8 @@ def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor, bloc
     return w.view(want[0] * bo, want[1] * bi)[:rows, :cols].to(dtype)
 
 
-def quantize_fp8_blockwise(weight: torch.Tensor, block: int | tuple[int, int] = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_blockwise(weight: torch.Tensor,
+                           block: int | tuple[int, int] = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """(E4M3 weight, FP32 scale_inv) of a 2-D [out, in] weight, one scale per block x block tile (edge tiles
     partial): scale_inv = tile amax / 448, the released checkpoints' layout; dequantize_fp8_blockwise inverts it."""
     bo, bi = (block, block) if isinstance(block, int) else tuple(block)
@@ -235,7 +236,8 @@ def expected_hf_shapes(args: Glm5ModelArgs) -> dict[str, tuple[int, ...]]:
     for i in range(args.num_hidden_layers):
         lp = f"{p}layers.{i}."
         for site in ("attn", "ffn"):
-            out.update({f"{lp}hc_{site}_fn": (width, n * d), f"{lp}hc_{site}_base": (width,), f"{lp}hc_{site}_scale": (3,)})
+            out.update({f"{lp}hc_{site}_fn": (width, n * d), f"{lp}hc_{site}_base": (width,),
+                        f"{lp}hc_{site}_scale": (3,)})
         out.update({f"{lp}input_layernorm.weight": (d,), f"{lp}post_attention_layernorm.weight": (d,)})
         out.update({f"{lp}self_attn.{k}": v for k, v in _attn_shapes(args, i).items()})
         out.update({f"{lp}mlp.{k}": v for k, v in _mlp_shapes(args, args.mlp_layer_types[i] == "sparse").items()})
@@ -389,7 +391,8 @@ class Glm5StateDictAdapter:
                 problems.append(f"FP8 tensor {name} has no {scale}")
                 continue
             if len(shape) != 2:
-                problems.append(f"FP8 tensor {name} has shape {list(shape)}; only 2-D block-scaled weights are supported")
+                problems.append(f"FP8 tensor {name} has shape {list(shape)}; only 2-D block-scaled weights are "
+                                "supported")
                 continue
             want = fp8_scale_shape(tuple(shape), block)
             if tuple(meta[scale][1]) != want:
@@ -404,7 +407,8 @@ class Glm5StateDictAdapter:
         return pairs
 
     # ------------------------------------------------------------ conversions
-    def to_hf(self, state_dict: Mapping[str, torch.Tensor], *, allow_missing_mtp: bool = False) -> dict[str, torch.Tensor]:
+    def to_hf(self, state_dict: Mapping[str, torch.Tensor], *,
+              allow_missing_mtp: bool = False) -> dict[str, torch.Tensor]:
         """Our state dict -> HF names; stacked experts become per-expert views (no copies). Raises for names this
         args' model does not have. allow_missing_mtp: a state dict without `mtp.*` is exported without layer N."""
         out: dict[str, torch.Tensor] = {}
@@ -422,7 +426,8 @@ class Glm5StateDictAdapter:
         return out
 
     def from_hf(self, hf_state_dict: Mapping[str, torch.Tensor], *, allow_missing_mtp: bool = False,
-                block: int | tuple[int, int] = 128, modules_to_not_convert: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+                block: int | tuple[int, int] = 128,
+                modules_to_not_convert: Iterable[str] = ()) -> dict[str, torch.Tensor]:
         """HF tensors -> our state dict (values exact; FP8 weights dequantised to FP32). See from_hf_with_report."""
         state, report = self.from_hf_with_report(hf_state_dict, allow_missing_mtp=allow_missing_mtp, block=block,
                                                  modules_to_not_convert=modules_to_not_convert)
