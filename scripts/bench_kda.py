@@ -15,7 +15,9 @@ The parts each layer is made of are timed too, so the table shows what the block
   and the V-first state layout (fla/layers/kda.py);
 - "parts: FLA chunk_kda, gate computed outside": the same kernel given the FP32 log decay and beta, as our op is;
 - "parts: our KDA op": ops/kda.py's custom op (FLA's forward and backward pieces, with the L2 norms and the gate's
-  cumsum recomputed in backward), given the same FP32 log decay and beta.
+  cumsum recomputed in backward), given the same FP32 log decay and beta; "save_states": the same op keeping FLA's
+  forward intermediates for its backward (activation_checkpoint.kda_disable_recompute; FLA's disable_recompute).
+"ours, compiled, kda_disable_recompute" is the compiled block with that setting (its peak shows what it keeps).
 The "floor" line adds the GEMMs and the stock kernel: a block built of these parts costs at least that much.
 --profile prints the CUDA kernels of one fwd + bwd of each block (torch.profiler), to say where the rest goes.
 """
@@ -112,7 +114,9 @@ def kernel_parts(args, seq_len: int, device: str, dtype: torch.dtype, gen: torch
         return backward_step(call, do, leaves)
 
     parts = {"parts: our KDA op (gate computed outside)": timed(
-        lambda: kda_op(q, kk, v, g, beta, None, safe_gate=safe))}
+        lambda: kda_op(q, kk, v, g, beta, None, safe_gate=safe)),
+        "parts: our KDA op, save_states (gate computed outside)": timed(
+        lambda: kda_op(q, kk, v, g, beta, None, safe_gate=safe, save_states=True))}
     if with_fla:
         from fla.ops.kda import chunk_kda
 
@@ -144,6 +148,12 @@ def variants(flavor: str, seq_len: int, device: str, dtype: torch.dtype, *, with
     if compile_ours:
         compiled = torch.compile(ours, fullgraph=True, backend="inductor")
         out["ours, compiled (inductor)"] = fwd_bwd(lambda t: compiled(t, layout), list(ours.parameters()), x, dout)
+        saving, _ = our_block(flavor, device, dtype)
+        saving.load_state_dict(ours.state_dict())
+        saving.save_states = True  # what activation_checkpoint.kda_disable_recompute sets
+        compiled_saving = torch.compile(saving, fullgraph=True, backend="inductor")
+        out["ours, compiled, kda_disable_recompute"] = fwd_bwd(lambda t: compiled_saving(t, layout),
+                                                               list(saving.parameters()), x, dout)
     out["parts: the block's GEMMs"] = gemm_part(ours, x, gen)
     out.update(kernel_parts(args, seq_len, device, dtype, gen, with_fla=with_fla))
     return out, args

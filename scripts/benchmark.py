@@ -310,7 +310,7 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
             dsa_dense_max_len: int | None = None, dsa_mask_query_chunk: int | None = None,
             dsa_mask_causal_rows: bool = True, memory_profile: bool = False, moe_chunk_tokens: int = 0,
             offload_inputs: bool = False, float8_moe_experts: bool = True, profile_rows: int = 30,
-            profile_match: tuple[str, ...] = ()) -> dict:
+            profile_match: tuple[str, ...] = (), kda_disable_recompute: bool = False) -> dict:
     """One timed run of this repo's model; from `weights` (our names) when given, else from its own init."""
     args = model_args(flavor, scope=scope, tile_elements=tile_elements, dsa_dense_max_len=dsa_dense_max_len,
                       dsa_mask_query_chunk=dsa_mask_query_chunk, dsa_mask_causal_rows=dsa_mask_causal_rows)
@@ -329,7 +329,8 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
     configure_inductor_for_float8(cfg=f8)
     recompute_modules = recompute_modules if ac == "selective" else ()
     apply_activation_checkpointing(model, mode=ac, recompute_modules=recompute_modules,
-                                   moe_chunk_tokens=moe_chunk_tokens, offload_inputs=offload_inputs and ac == "full")
+                                   moe_chunk_tokens=moe_chunk_tokens, offload_inputs=offload_inputs and ac == "full",
+                                   kda_disable_recompute=kda_disable_recompute)
     if compiled:
         apply_compile(model, backend=backend, components=["model", "loss"])
     tokens, labels, doc_ids = make_inputs(vocab=args.vocab_size, seq_len=seq_len, batch=batch, docs=docs,
@@ -385,6 +386,7 @@ def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, s
                   # whether any DSA row ran the causal kernel unmasked: one document, on the masked path
                   dsa_mask_causal_rows=args.dsa_mask_causal_rows and docs == 1 and args.dense_dsa_kernel(seq_len),
                   moe_chunk_tokens=moe_chunk_tokens, offload_inputs=offloaded,
+                  kda_disable_recompute=kda_disable_recompute,
                   offloaded_gib_per_step=round(offloaded_gib, 3), host_peak_rss_gib=round(host_peak_rss_gib(), 2),
                   host_gib_after=host_memory_gib(device))
     del model
@@ -452,6 +454,9 @@ def main() -> None:
     p.add_argument("--offload-inputs", action="store_true",
                    help="activation_checkpoint.offload_inputs for the full-AC runs: their blocks' saved inputs in "
                         "pinned host memory")
+    p.add_argument("--kda-disable-recompute", action="store_true",
+                   help="activation_checkpoint.kda_disable_recompute: the KDA kernel keeps its forward intermediates "
+                        "for backward (FLA's disable_recompute; rows without document ids: --docs 1)")
     p.add_argument("--float8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"])
     p.add_argument("--float8-moe-experts", choices=["on", "off"], default="on",
                    help="float8.moe_experts of the fp8 runs: off keeps the routed experts' grouped GEMMs in BF16 "
@@ -523,6 +528,9 @@ def main() -> None:
         p.error(f"--out {a.out}: not a file in an existing folder (it is written after every run)")
     if recompute and not any(ac == "selective" for _, ac, _, _ in runs):
         p.error("--recompute-modules refines selective AC: no run in --runs is ':selective'")
+    if a.kda_disable_recompute and a.docs > 1:
+        p.error(f"--kda-disable-recompute needs rows without document ids (--docs 1, as data.document_masking = false "
+                f"in train.py), got --docs {a.docs}")
     if a.offload_inputs and not any(ac in ("full", "auto") for _, ac, _, _ in runs):
         p.error("--offload-inputs offloads what full AC saves: no run in --runs is ':full' (or ':auto')")
     try:
@@ -586,6 +594,7 @@ def main() -> None:
                             dsa_mask_query_chunk=mask_chunk, dsa_mask_causal_rows=a.dsa_mask_causal_rows == "on",
                             memory_profile=a.memory_profile,
                             moe_chunk_tokens=a.moe_chunk_tokens, offload_inputs=a.offload_inputs,
+                            kda_disable_recompute=a.kda_disable_recompute,
                             float8_moe_experts=a.float8_moe_experts == "on", profile_rows=a.profile_rows,
                             profile_match=tuple(m for m in a.profile_match.split(",") if m))
             except torch.cuda.OutOfMemoryError as e:

@@ -266,10 +266,14 @@ def offload_host_bytes(args, *, tokens: int, act_bytes: int, mtp: bool) -> int:
 
 
 def apply_activation_checkpointing(model: nn.Module, *, mode: str, recompute_modules: Iterable[str] = (),
-                                   moe_chunk_tokens: int = 0, offload_inputs: bool = False) -> None:
+                                   moe_chunk_tokens: int = 0, offload_inputs: bool = False,
+                                   kda_disable_recompute: bool = False) -> None:
     """Wrap every decoder layer and the MTP layer of a Glm5Model in place. moe_chunk_tokens > 0 runs every MoE's
     routed experts over checkpointed token chunks of that many tokens (models/glm5/moe.py::MoE), in any mode.
-    offload_inputs (full only): the blocks' saved inputs wait for backward in host memory (HostOffload)."""
+    offload_inputs (full only): the blocks' saved inputs wait for backward in host memory (HostOffload).
+    kda_disable_recompute (any mode): every KDA op keeps FLA's forward intermediates for its backward
+    (models/glm5/kda.py, save_states)."""
+    from torchtitan_glm.models.glm5.kda import KimiDeltaAttention
     from torchtitan_glm.models.glm5.moe import MoE
 
     if moe_chunk_tokens < 0:
@@ -281,6 +285,8 @@ def apply_activation_checkpointing(model: nn.Module, *, mode: str, recompute_mod
     for m in model.modules():
         if isinstance(m, MoE):
             m.chunk_tokens = moe_chunk_tokens
+        elif isinstance(m, KimiDeltaAttention):
+            m.save_states = kda_disable_recompute
     recompute_modules = tuple(recompute_modules)
     mtp = getattr(model, "mtp", None)
     blocks = list(model.layers.values()) + ([mtp] if mtp is not None else [])

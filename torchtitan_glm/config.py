@@ -608,6 +608,13 @@ class ActivationCheckpointConfig(_Section):
     offload_inputs (mode "full" only): what each checkpointed block keeps for backward, its inputs (the mHC
     streams, a shared DSA layer's token indices), waits in pinned host memory and is copied back for the recompute
     (a CPU run has nothing to move).
+    kda_disable_recompute (any mode): FLA's disable_recompute for the KDA kernel: its forward keeps the WY factors,
+    gated q / k, the new values and the chunk states, and its backward reuses them instead of recomputing them
+    (less backward time; (3K + 2V) x 2 bytes more per token and head, plus K x V x 2 per 64-token chunk and head, in
+    each KDA layer whose kernel outputs are kept: all of them without AC or under selective AC, one block's at a
+    time under full AC or recompute_modules "kda"). CUDA only (the CPU backward differentiates the torch reference);
+    needs data.document_masking = false (with document ids the count of chunk states depends on the documents, a
+    shape the compiled graph cannot know) and context_parallel_degree = 1.
     """
 
     SECTION: ClassVar[str] = "activation_checkpoint"
@@ -615,6 +622,7 @@ class ActivationCheckpointConfig(_Section):
     recompute_modules: list[str] = field(default_factory=list)
     moe_chunk_tokens: int = 0
     offload_inputs: bool = False
+    kda_disable_recompute: bool = False
 
     def validate(self) -> None:
         from torchtitan_glm.activation_checkpoint import IMPLIED_BY_SELECTIVE, RECOMPUTE_MODULES
@@ -773,6 +781,17 @@ class JobConfig:
                               f"{self.model.args['num_nextn_predict_layers']} MTP layer(s) asked for, but "
                               "loss.mtp_weight = 0 trains without the MTP layer (the trainer drops it): set "
                               "loss.mtp_weight > 0, or leave model.num_nextn_predict_layers out")
+        if self.activation_checkpoint.kda_disable_recompute:
+            if self.data.document_masking:
+                raise ConfigError("activation_checkpoint.kda_disable_recompute",
+                                  "needs data.document_masking = false: with document ids FLA's saved chunk states "
+                                  "number one per 64-token chunk of each document, a count the compiled graph cannot "
+                                  "know in advance")
+            if self.parallelism.context_parallel_degree > 1:
+                raise ConfigError("activation_checkpoint.kda_disable_recompute",
+                                  f"needs parallelism.context_parallel_degree = 1, not "
+                                  f"{self.parallelism.context_parallel_degree} (FLA's context-parallel KDA path "
+                                  "recomputes its states)")
         prof = self.profiling
         if (prof.enable or prof.memory) and prof.start_step + prof.steps - 1 > tr.steps:
             raise ConfigError("profiling.start_step",

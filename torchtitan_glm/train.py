@@ -294,6 +294,7 @@ class Trainer:
             recompute_modules=cfg.activation_checkpoint.recompute_modules,
             moe_chunk_tokens=cfg.activation_checkpoint.moe_chunk_tokens,
             offload_inputs=cfg.activation_checkpoint.offload_inputs,
+            kda_disable_recompute=cfg.activation_checkpoint.kda_disable_recompute,
             compile_enable=cfg.compile.enable, compile_backend=cfg.compile.backend, compile_mode=cfg.compile.mode,
             compile_components=cfg.compile.components, cpu_offload=cfg.optimizer.cpu_offload,
             expert_fsdp=cfg.parallelism.expert_fsdp, fsdp_reshard=cfg.parallelism.fsdp_reshard_after_forward,

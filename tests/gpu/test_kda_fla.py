@@ -144,9 +144,9 @@ def test_cuda_opcheck():
     # Not test_aot_dispatch_dynamic for kda_fwd: it compares raw output values of two runs, and FLA allocates
     # the Aqk residual with torch.empty and writes only its causal part (the rest is never read), so those
     # entries differ run to run. Compiled-vs-eager agreement is covered by test_compile_fullgraph_cuda.
-    torch.library.opcheck(torch.ops.torchtitan_glm.kda_fwd.default, (*xs, seq_idx, True),
+    torch.library.opcheck(torch.ops.torchtitan_glm.kda_fwd.default, (*xs, seq_idx, True, False),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    _, residuals = torch.ops.torchtitan_glm.kda_fwd(*inputs, seq_idx, True)
+    _, residuals = torch.ops.torchtitan_glm.kda_fwd(*inputs, seq_idx, True, False)
     torch.library.opcheck(torch.ops.torchtitan_glm.kda_bwd.default, (do, *inputs, seq_idx, residuals, True))
 
 
@@ -187,3 +187,38 @@ def test_host_seq_idx_gives_the_same_varlen_layout_and_result():
     for name, a, e in zip(NAMES, on_host, on_device):  # same kernels and layout; not bitwise: FLA's backward
         rms = ((a.float() - e.float()).square().mean().sqrt() / e.float().square().mean().sqrt()).item()
         assert rms < 1e-3, f"{name}: host vs device seq_idx rms ratio {rms:.2e}"  # may reduce in any order
+
+
+def test_save_states_gives_the_same_values_and_gradients():
+    """activation_checkpoint.kda_disable_recompute: the backward reuses FLA's forward intermediates instead of
+    recomputing them; values and gradients are those of the recomputing op, and of the reference."""
+    inputs, do = make_inputs(2, 200, torch.bfloat16, gate="bounded", seed=6)
+    saving = value_and_grads(lambda *x: kda(*x, None, safe_gate=True, save_states=True), inputs, do)
+    recomputing = value_and_grads(lambda *x: kda(*x, None, safe_gate=True), inputs, do)
+    for name, a, e in zip(NAMES, saving, recomputing):
+        rms = ((a.float() - e.float()).square().mean().sqrt() / e.float().square().mean().sqrt()).item()
+        assert rms < 2e-3, f"{name}: save_states vs recompute rms ratio {rms:.2e}"
+    assert_close(saving, reference(inputs, do, None), torch.bfloat16)
+    xs = [x.clone().requires_grad_(True) for x in inputs]
+    # the fake implementation's residual shapes and dtypes against FLA's (test_faketensor)
+    torch.library.opcheck(torch.ops.torchtitan_glm.kda_fwd.default, (*xs, None, True, True),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    _, residuals = torch.ops.torchtitan_glm.kda_fwd(*inputs, None, True, True)
+    assert len(residuals) == 8
+    torch.library.opcheck(torch.ops.torchtitan_glm.kda_bwd.default, (do, *inputs, None, residuals, True))
+
+
+def test_save_states_compiles_whole():
+    inputs, do = make_inputs(2, 150, torch.bfloat16, gate="bounded", seed=7)
+
+    def block(q, k, v, g, beta):
+        return kda(q * 1.5, k, v, g, beta, None, safe_gate=True, save_states=True).float().tanh()
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    got = value_and_grads(torch.compile(block, fullgraph=True, backend="inductor"), inputs, do.float())
+    assert not torch._dynamo.utils.counters["graph_break"]
+    want = value_and_grads(block, inputs, do.float())
+    for name, a, e in zip(NAMES, got, want):
+        rms = ((a.float() - e.float()).square().mean().sqrt() / e.float().square().mean().sqrt()).item()
+        assert rms < 1e-2, f"{name}: compiled vs eager rms ratio {rms:.2e}"

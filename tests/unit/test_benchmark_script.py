@@ -219,7 +219,8 @@ def test_bench_kda_variants_run_on_cpu(monkeypatch):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     fns, args = bench.variants("debug", 24, "cpu", torch.float32, with_fla=False, compile_ours=False)
-    assert list(fns) == ["ours, eager", "parts: the block's GEMMs", "parts: our KDA op (gate computed outside)"]
+    assert list(fns) == ["ours, eager", "parts: the block's GEMMs", "parts: our KDA op (gate computed outside)",
+                         "parts: our KDA op, save_states (gate computed outside)"]
     for fn in fns.values():
         fn()
 

@@ -118,7 +118,7 @@ def test_opcheck(with_seq_idx):
     inputs, do = make_inputs(2, 40, seed=5)
     seq_idx = torch.tensor([[0] * 15 + [1] * 25, [4] * 40], dtype=torch.int32) if with_seq_idx else None
     xs = [x.clone().requires_grad_(True) for x in inputs]  # also checks the autograd registration
-    torch.library.opcheck(torch.ops.torchtitan_glm.kda_fwd.default, (*xs, seq_idx, True))
+    torch.library.opcheck(torch.ops.torchtitan_glm.kda_fwd.default, (*xs, seq_idx, True, False))
     torch.library.opcheck(torch.ops.torchtitan_glm.kda_bwd.default, (do, *inputs, seq_idx, [], True))
 
 

@@ -187,6 +187,8 @@ def compute_line(cfg: Any) -> str:
         parts.append(f"routed experts in checkpointed chunks of {ac.moe_chunk_tokens:,} tokens")
     if ac.offload_inputs:
         parts.append("saved block inputs in pinned host memory")
+    if ac.kda_disable_recompute:
+        parts.append("KDA kernel intermediates kept for backward (FLA disable_recompute)")
     return f"{compiled}; " + ", ".join(parts)
 
 

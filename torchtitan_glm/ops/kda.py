@@ -190,22 +190,25 @@ def _flat(x: Tensor, varlen: bool) -> Tensor:
     return x.reshape(1, -1, *x.shape[2:]) if varlen else x
 
 
-def _fla_fwd(q, k, v, g, beta, seq_idx, safe_gate) -> tuple[Tensor, list[Tensor]]:
+def _fla_fwd(q, k, v, g, beta, seq_idx, safe_gate, save_states=False) -> tuple[Tensor, list[Tensor]]:
     fla = _fla()
     b, t, h, dk = q.shape
     cu, cu_cpu, chunk_indices = _varlen(seq_idx, q.device)
     q, k, v, g, beta = (_flat(x, cu is not None) for x in (q, k, v, g, beta))
     qn, _ = fla.l2norm_fwd(q, eps=_L2_EPS)
     kn, _ = fla.l2norm_fwd(k, eps=_L2_EPS)
-    o, _, _, a_qk, a_kk, *_ = fla.chunk_kda_fwd(
+    o, _, _, a_qk, a_kk, w, u, qg, kg, v_new, states, _ = fla.chunk_kda_fwd(
         q=qn, k=kn, v=v, g=g, beta=beta, scale=dk**-0.5, initial_state=None, output_final_state=False,
         cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, chunk_indices=chunk_indices, chunk_size=_FLA_CHUNK,
-        safe_gate=safe_gate,
+        safe_gate=safe_gate, disable_recompute=save_states,
     )
     # Aqk/Akk (the intra-chunk solve) are the expensive residuals; the rest is recomputed in backward
     # (as FLA's own autograd does, plus the cheap l2norm and gate cumsum). FLA leaves Aqk's non-causal
     # entries unwritten (torch.empty), so their values are arbitrary; only the causal part is ever read.
-    return o.reshape(b, t, h, -1).to(v.dtype), [a_qk.reshape(b, t, h, -1), a_kk.reshape(b, t, h, -1)]
+    residuals = [a_qk.reshape(b, t, h, -1), a_kk.reshape(b, t, h, -1)]
+    if save_states:  # FLA's disable_recompute: its backward reuses these instead of recomputing them
+        residuals += [w, u, qg, kg, v_new, states]
+    return o.reshape(b, t, h, -1).to(v.dtype), residuals
 
 
 def _fla_bwd(do, q, k, v, g, beta, seq_idx, residuals, safe_gate) -> tuple[Tensor, ...]:
@@ -215,7 +218,8 @@ def _fla_bwd(do, q, k, v, g, beta, seq_idx, residuals, safe_gate) -> tuple[Tenso
     varlen = cu is not None
     shapes_dtypes = [(x.shape, x.dtype) for x in (q, k, v, g, beta)]
     do, q, k, v, g, beta = (_flat(x, varlen) for x in (do, q, k, v, g, beta))
-    a_qk, a_kk = (_flat(x, varlen) for x in residuals)
+    a_qk, a_kk = (_flat(x, varlen) for x in residuals[:2])
+    saved = dict(zip(("w", "u", "qg", "kg", "v_new", "h"), residuals[2:]))  # save_states: FLA's intermediates
     qn, q_rstd = fla.l2norm_fwd(q, eps=_L2_EPS)
     kn, k_rstd = fla.l2norm_fwd(k, eps=_L2_EPS)
     g_cum = fla.chunk_local_cumsum(  # exactly as chunk_kda_fwd: log2 units, fp32
@@ -224,6 +228,7 @@ def _fla_bwd(do, q, k, v, g, beta, seq_idx, residuals, safe_gate) -> tuple[Tenso
     dq, dk_, dv, db, dg, *_ = fla.chunk_kda_bwd(
         q=qn, k=kn, v=v, beta=beta, Aqk=a_qk, Akk=a_kk, scale=dk**-0.5, initial_state=None, do=do, dht=None,
         g=g_cum, cu_seqlens=cu, chunk_indices=chunk_indices, chunk_size=_FLA_CHUNK, safe_gate=safe_gate,
+        disable_recompute=bool(saved), **saved,
     )
     dq = fla.l2norm_bwd(qn, q_rstd, dq, eps=_L2_EPS)
     dk_ = fla.l2norm_bwd(kn, k_rstd, dk_, eps=_L2_EPS)
@@ -258,27 +263,45 @@ def _ref_bwd(do, q, k, v, g, beta, seq_idx) -> tuple[Tensor, ...]:
 
 @torch.library.custom_op("torchtitan_glm::kda_fwd", mutates_args=(), device_types="cpu")
 def kda_fwd(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, seq_idx: Tensor | None, safe_gate: bool
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, seq_idx: Tensor | None, safe_gate: bool,
+    save_states: bool,
 ) -> tuple[Tensor, list[Tensor]]:
-    """KDA forward: returns (o, residuals for kda_bwd). CPU: torch reference, no residuals."""
+    """KDA forward: returns (o, residuals for kda_bwd). CPU: torch reference, no residuals (save_states has
+    nothing to save there: the CPU backward differentiates the reference)."""
+    _check_save_states(save_states, seq_idx)
     with torch.autocast("cpu", enabled=False):
         return kda_reference(q, k, v, g, beta, seq_idx), []
 
 
+def _check_save_states(save_states: bool, seq_idx: Tensor | None) -> None:
+    if save_states and seq_idx is not None:
+        raise ValueError("KDA save_states (activation_checkpoint.kda_disable_recompute) needs rows without document "
+                         "ids (data.document_masking = false): with documents FLA's chunk states number one per "
+                         "chunk of each document, a count the compiled graph cannot know in advance")
+
+
 @kda_fwd.register_kernel("cuda")
-def _kda_fwd_cuda(q, k, v, g, beta, seq_idx, safe_gate):
+def _kda_fwd_cuda(q, k, v, g, beta, seq_idx, safe_gate, save_states):
+    _check_save_states(save_states, seq_idx)
     with torch.cuda.device(q.device), torch.autocast("cuda", enabled=False):
-        return _fla_fwd(q, k, v, g, beta, seq_idx, safe_gate)
+        return _fla_fwd(q, k, v, g, beta, seq_idx, safe_gate, save_states)
 
 
 @kda_fwd.register_fake
-def _kda_fwd_fake(q, k, v, g, beta, seq_idx, safe_gate):
+def _kda_fwd_fake(q, k, v, g, beta, seq_idx, safe_gate, save_states):
+    _check_save_states(save_states, seq_idx)
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     if q.device.type != "cuda":
         return o, []
     # FLA's Aqk and Akk: [B, T, H, chunk] in k's dtype (viewed back from the varlen [1, B*T, H, chunk])
-    b, t, h, _ = q.shape
-    return o, [k.new_empty(b, t, h, _FLA_CHUNK), k.new_empty(b, t, h, _FLA_CHUNK)]
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    residuals = [k.new_empty(b, t, h, _FLA_CHUNK), k.new_empty(b, t, h, _FLA_CHUNK)]
+    if save_states:  # w, u, qg, kg, v_new (u and v_new in v's dtype) and the chunk states [B, T/64, H, K, V]
+        residuals += [k.new_empty(b, t, h, dk), v.new_empty(b, t, h, dv), k.new_empty(b, t, h, dk),
+                      k.new_empty(b, t, h, dk), v.new_empty(b, t, h, dv),
+                      k.new_empty(b, -(-t // _FLA_CHUNK), h, dk, dv)]
+    return o, residuals
 
 
 @torch.library.custom_op("torchtitan_glm::kda_bwd", mutates_args=(), device_types="cpu")
@@ -303,7 +326,7 @@ def _kda_bwd_fake(do, q, k, v, g, beta, seq_idx, residuals, safe_gate):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, g, beta, seq_idx, safe_gate = inputs
+    q, k, v, g, beta, seq_idx, safe_gate, _save_states = inputs
     _, residuals = output
     ctx.mark_non_differentiable(*residuals)
     ctx.save_for_backward(q, k, v, g, beta, seq_idx, *residuals)
@@ -313,19 +336,24 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, do, _dresiduals):
     q, k, v, g, beta, seq_idx, *residuals = ctx.saved_tensors
     grads = torch.ops.torchtitan_glm.kda_bwd(do, q, k, v, g, beta, seq_idx, residuals, ctx.safe_gate)
-    return (*grads, None, None)
+    return (*grads, None, None, None)
 
 
 torch.library.register_autograd("torchtitan_glm::kda_fwd", _backward, setup_context=_setup_context)
 
 
 def kda(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, seq_idx: Tensor | None = None, *, safe_gate: bool
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, seq_idx: Tensor | None = None, *, safe_gate: bool,
+    save_states: bool = False,
 ) -> Tensor:
     """KDA core (see module docstring). q, k [B,T,H,K] raw; v [B,T,H,V]; g [B,T,H,K] log decay (<= 0);
     beta [B,T,H] in (0,1); seq_idx [B,T] int or None. Returns o [B,T,H,V] in v.dtype.
 
     safe_gate: gates are known to lie in [-5, 0) (enables FLA's faster bounded-gate path on CUDA).
+    save_states: on CUDA the forward keeps FLA's intermediates (WY factors w and u, gated q and k, the new values
+    and the chunk states: (3K + 2V) x 2 bytes per token-head plus K x V x 2 per 64-token chunk-head in BF16) and
+    the backward reuses them instead of recomputing them (FLA's disable_recompute): less backward time for more
+    activation memory. Needs seq_idx None (see _check_save_states); the result is the same either way.
     """
-    o, _ = torch.ops.torchtitan_glm.kda_fwd(q, k, v, g, beta, seq_idx, safe_gate)
+    o, _ = torch.ops.torchtitan_glm.kda_fwd(q, k, v, g, beta, seq_idx, safe_gate, save_states)
     return o

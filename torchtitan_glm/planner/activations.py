@@ -54,6 +54,8 @@ class ActContext:
     # passes ids): false, each row is one causal sequence, so no block keeps ids and the dense DSA kernel runs causal
     # rows without a mask (dsa.py, masked_attention.py)
     document_masking: bool = True
+    # activation_checkpoint.kda_disable_recompute: the KDA op's residuals include FLA's forward intermediates
+    kda_saved_states: bool = False
 
     def recomputes(self, label: str) -> bool:
         return label in self.recompute
@@ -149,11 +151,20 @@ def _norm(t: _Terms, regime: str, width: int, name: str = "norms") -> None:
         t.tok(name, width * a + 4)
 
 
+def _kda_states_per_token(c: ActContext) -> float:
+    """Bytes per token of FLA's KDA forward intermediates (w, u, gated q / k, new values, chunk states), all heads:
+    what the KDA op also keeps under activation_checkpoint.kda_disable_recompute (ops/kda.py)."""
+    h, k = c.args.linear_num_heads, c.args.linear_head_dim
+    return (5 * h * k + h * k * k / FLA_CHUNK) * c.act
+
+
 def _kda(t: _Terms, regime: str) -> None:
     c, a = t.ctx, t.ctx.act
     d, h, k, w = c.args.hidden_size, c.args.linear_num_heads, c.args.linear_head_dim, c.args.linear_conv_kernel_dim
     hk = h * k
     residuals = 2 * h * FLA_CHUNK * a if c.device == "cuda" else 0
+    if residuals and c.kda_saved_states:  # w, qg, kg [H, K]; u, v_new [H, V]; the chunk states [H, K, V] / 64 tokens
+        residuals += _kda_states_per_token(c)
     if regime == "full" or (regime == "selective" and c.recomputes("kda")):  # recompute "kda": only its input
         return
     if residuals:  # selective AC saves the KDA op's outputs (kda_fwd, and kda_cp_fwd under CP)
@@ -431,7 +442,10 @@ def forward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: boo
     if kind.startswith("kda"):
         h, k = args.linear_num_heads, args.linear_head_dim
         # FLA chunk_kda forward: normalised q/k, w, u, v_new, the FP32 gate cumsum and the chunk states [T/64, H, K, V]
-        work += _per_token(ctx, 5 * h * k * a + 4 * h * k + h * k * k * a / FLA_CHUNK, heads=True)
+        # (under kda_saved_states the op keeps w, u, v_new and the states: saved() counts them)
+        transient = 2 * h * k * a + 4 * h * k
+        work += _per_token(ctx, transient if ctx.kda_saved_states else
+                           transient + 3 * h * k * a + h * k * k * a / FLA_CHUNK, heads=True)
     if "dsa" in kind or kind == "mtp":
         work += _dsa_forward_work(ctx, indexer=not shared_indexer)
     if kind.endswith("moe") or kind == "mtp":
@@ -477,9 +491,11 @@ def backward_work(kind: str, regime: str, ctx: ActContext, *, shared_indexer: bo
         work += _per_token(ctx, n * d * a)  # the mHC mapping's input gradient (mhc.rms_linear: BF16, FP32 in chunks)
     if kind.startswith("kda"):
         h, k = args.linear_num_heads, args.linear_head_dim
-        # FLA chunk_kda backward: dq, dk, dg in FP32, dv, recomputed chunk states and their FP32 gradients
-        work += _per_token(ctx, 3 * 4 * h * k + h * k * a + h * k * k * (a + 4) / FLA_CHUNK + 2 * 4 * h * FLA_CHUNK,
-                           heads=True)
+        # FLA chunk_kda backward: dq, dk, dg in FP32, dv, recomputed chunk states (kept from the forward under
+        # kda_saved_states) and their FP32 gradients
+        recomputed = 0 if ctx.kda_saved_states else a
+        work += _per_token(ctx, 3 * 4 * h * k + h * k * a + h * k * k * (recomputed + 4) / FLA_CHUNK
+                           + 2 * 4 * h * FLA_CHUNK, heads=True)
         # the short conv's reference backward (ops/causal_conv.py): x, the pre-activation, its sigmoid, g, a tap and
         # dx in FP32 over one channel chunk. Its CUDA kernel holds only dx; the term stays as the bound of the gated
         # norm's chunked backward (gated_norm.py), which holds fewer of the same size.

@@ -250,7 +250,8 @@ def plan_layout(request: Request, cfg: JobConfig, inv: ModelInventory, layout: L
                      offload_inputs=cfg.activation_checkpoint.offload_inputs and regime == "full",
                      recompute=tuple(cfg.activation_checkpoint.recompute_modules) if regime == "selective" else (),
                      compiled=cfg.compile.enable and "model" in cfg.compile.components,
-                     document_masking=cfg.data.document_masking or layout.cp > 1)
+                     document_masking=cfg.data.document_masking or layout.cp > 1,
+                     kda_saved_states=cfg.activation_checkpoint.kda_disable_recompute)
     compiled_loss = cfg.compile.enable and "loss" in cfg.compile.components
     try:
         micro = tr.accumulation_steps(layout.dp) if scope == "train" else 1

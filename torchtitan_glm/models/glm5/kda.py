@@ -123,6 +123,9 @@ class KimiDeltaAttention(nn.Module):
         # FLA's safe-gate kernel path needs gates in [-5, 0): true for a lower bound in [-5, 0).
         lb = args.linear_lower_bound
         self.safe_gate = lb is not None and -5.0 <= lb < 0
+        # set by activation_checkpoint.py from activation_checkpoint.kda_disable_recompute, never by hand: the KDA
+        # op keeps FLA's forward intermediates for its backward (ops/kda.py::kda, save_states)
+        self.save_states = False
 
     def forward(self, x: torch.Tensor, batch: BatchLayout) -> torch.Tensor:
         """x [B, T_local, D]; documents restart the state and the short convs; under context parallelism the state
@@ -139,7 +142,10 @@ class KimiDeltaAttention(nn.Module):
         g = self.decay(self.f_b_proj(self.f_a_proj(x)))
         beta = torch.sigmoid(self.b_proj(x))
         if cp is None:
-            o = kda_op(q, k, v, g, beta, batch.kda_seq_idx, safe_gate=self.safe_gate)
+            o = kda_op(q, k, v, g, beta, batch.kda_seq_idx, safe_gate=self.safe_gate, save_states=self.save_states)
+        elif self.save_states:
+            raise ValueError("activation_checkpoint.kda_disable_recompute does not apply under context parallelism "
+                             "(FLA's CP path recomputes its states)")
         else:
             o = kda_cp(q, k, v, g, beta, batch.doc_ids, group=cp.group, layout="zigzag", safe_gate=self.safe_gate)
         gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, heads)

@@ -174,6 +174,7 @@ def parallelize_glm5(
     recompute_modules: tuple[str, ...] | list[str] = (),
     moe_chunk_tokens: int = 0,
     offload_inputs: bool = False,
+    kda_disable_recompute: bool = False,
     compile_backend: str = "inductor",
     compile_mode: str = "default",
     compile_components: list[str] | None = None,
@@ -189,6 +190,7 @@ def parallelize_glm5(
     (and so the optimizer's states) in (pinned, on a GPU) host memory; the parameters kept out of FSDP2 stay put.
     expert_fsdp: shard the routed experts over the expert-data ranks too (see apply_expert_parallel). offload_inputs:
     the full-AC blocks' saved inputs wait for backward in host memory (activation_checkpoint.HostOffload).
+    kda_disable_recompute: the KDA ops keep FLA's forward intermediates for backward (activation_checkpoint).
     fsdp_reshard: parallelism.fsdp_reshard_after_forward (config.reshard_after_forward). reduce_in_compute_pool:
     parallelism.fsdp_reduce_in_compute_pool (distributed/fsdp_comms.py)."""
     tp, ep = meshes["tp"], meshes.get("ep")
@@ -201,7 +203,8 @@ def parallelize_glm5(
         experts = apply_expert_parallel(model, ep_mesh=ep, expert_mesh=meshes["experts"] if sharded_experts else None,
                                         grad_scale=1.0 / dp_cp_size)
     apply_activation_checkpointing(model, mode=ac_mode, recompute_modules=recompute_modules,
-                                   moe_chunk_tokens=moe_chunk_tokens, offload_inputs=offload_inputs)
+                                   moe_chunk_tokens=moe_chunk_tokens, offload_inputs=offload_inputs,
+                                   kda_disable_recompute=kda_disable_recompute)
     if compile_enable:
         apply_compile(model, backend=compile_backend, mode=compile_mode, components=compile_components or ["model"])
 
