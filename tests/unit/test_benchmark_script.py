@@ -195,6 +195,7 @@ def test_benchmark_against_transformers_refuses_train_scope():
     (("--recompute-modules", "kda,kda", "--runs", "eager:selective"), "has duplicates"),
     (("--recompute-modules", "nosuch", "--runs", "eager:selective"), "unknown module 'nosuch'"),
     (("--offload-inputs", "--runs", "eager:selective"), "--offload-inputs"),
+    (("--kda-disable-recompute", "--docs", "2"), "--kda-disable-recompute needs rows without document ids"),
     (("--runs", "eager:full+kda"), "'eager:full+kda' is not mode:ac"),
     (("--runs", "eager:selective+kda+kda"), "has duplicates"),
     (("--runs", "eager:selective+nosuch"), "unknown module 'nosuch'"),
