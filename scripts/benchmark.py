@@ -303,6 +303,11 @@ def profile_table(events, *, cuda: bool, rows: int, match: tuple[str, ...] = ())
             f"{matched_self_us(picked, cuda=cuda) / 1e3:.3f} ms")
 
 
+def oom_text(e: BaseException) -> str:
+    """The OOM's first two sentences: that it ran out, and how much the failing allocation asked for."""
+    return ". ".join(str(e).split(". ")[:2])
+
+
 def run_one(*, flavor: str, seq_len: int, batch: int, compiled: bool, ac: str, steps: int, warmup: int,
             device: torch.device, dtype: torch.dtype, backend: str, scope: str, profile: bool, indexer_kl: str,
             docs: int, tile_elements: int, float8: str | None = None,
@@ -577,7 +582,7 @@ def main() -> None:
                                                       dtype=getattr(torch, a.dtype))
             except torch.cuda.OutOfMemoryError as e:
                 reference = dict(flavor=a.flavor, scope="reference", seq_len=seq_len, mode="transformers", ac="none",
-                                 float8="off", oom=str(e).split(".")[0])
+                                 float8="off", oom=oom_text(e))
             if "oom" in reference:
                 gc.collect()
                 torch.cuda.empty_cache()
@@ -600,7 +605,7 @@ def main() -> None:
             except torch.cuda.OutOfMemoryError as e:
                 r = dict(flavor=a.flavor, scope=a.scope, seq_len=seq_len, mode=mode, ac=run_label(ac, run_recompute),
                          float8=a.float8_recipe if fp8 else "off", moe_chunk_tokens=a.moe_chunk_tokens,
-                         dsa_dense_max_len=dense_max, dsa_mask_query_chunk=mask_chunk, oom=str(e).split(".")[0])
+                         dsa_dense_max_len=dense_max, dsa_mask_query_chunk=mask_chunk, oom=oom_text(e))
             if "oom" in r:  # outside the handler: its traceback no longer holds the model
                 gc.collect()
                 torch.cuda.empty_cache()

@@ -199,7 +199,9 @@ def wrap_block(block: nn.Module, *, mode: str, recompute_modules: Iterable[str] 
     if mode == "none":
         return block
     if mode == "full":
-        return checkpoint_wrapper(block, preserve_rng_state=False)
+        wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        wrapped.compile_inside = True  # compile.py compiles the block, not its checkpoint: see compile_unit there
+        return wrapped
     if mode == "selective":
         sites = (sites or BlockSites([block], recompute_modules)) if recompute_modules else None
         wrapped = checkpoint_wrapper(block, preserve_rng_state=False,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from torchtitan_glm.ops.order_after import order_after
+
 IGNORE_INDEX = -100
 
 
@@ -24,9 +26,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         single = n <= chunk_size
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad and not single \
             else None
+        after: list[torch.Tensor] = []  # compiled: the previous chunk's results, which this chunk's GEMM waits for
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
             h, y = hidden[s:e], labels[s:e]
+            if after:  # one chunk's [chunk, vocab] tensors alive at a time (ops/order_after.py says why)
+                h = order_after(h, after)
             keep = y != IGNORE_INDEX
             y_safe = torch.where(keep, y, torch.zeros_like(y))
             if torch.compiler.is_compiling():
@@ -49,7 +54,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 logits = (h @ weight.t()).float()
                 lse = torch.logsumexp(logits, dim=-1)
                 target = logits.gather(-1, y_safe.unsqueeze(-1)).squeeze(-1)
-            losses[s:e] = torch.where(keep, lse - target, torch.zeros_like(lse))
+            chunk_losses = torch.where(keep, lse - target, torch.zeros_like(lse))
+            losses[s:e] = chunk_losses
             if need_grad:
                 # d(sum_i w_i * loss_i)/d(logits) = w_i * (softmax_i - onehot_i), zero on ignored rows; the same
                 # FP32 values either way (p - 1 where a scatter adds -1), rounded once to the weight's dtype.
@@ -65,12 +71,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 # Both GEMMs take the weight's dtype, as nn.Linear's backward would: an FP32 dW GEMM of a
                 # [vocab, chunk] x [chunk, D] product ran on SIMT cores and cost 100 ms a step on the H200 proxy.
                 # The per-chunk partial dW is summed across chunks in FP32; a single chunk's is the gradient.
-                grad_h[s:e] = (g @ weight).to(hidden.dtype)
+                chunk_grad_h = (g @ weight).to(hidden.dtype)
+                grad_h[s:e] = chunk_grad_h
                 part = g.t() @ h.to(weight.dtype)
                 if single:
                     grad_w = part
                 else:
                     grad_w += part.float()
+            if torch.compiler.is_compiling() and e < n:
+                after = [chunk_losses] + ([chunk_grad_h, grad_w] if need_grad else [])
         if need_grad and grad_w is None:  # no tokens
             grad_w = torch.zeros_like(weight)
         ctx.save_for_backward(grad_h, grad_w)

@@ -1,0 +1,70 @@
+"""Full activation checkpointing of compiled blocks keeps only each block's inputs across the forward, as eager full
+AC does. torch 2.11 does not tag the ops inside autograd.Functions of a checkpoint traced into the graph, and the
+partitioner then saved their outputs (compile.py::compile_unit); this test fails that way on torch 2.11."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from torchtitan_glm.activation_checkpoint import apply_activation_checkpointing
+from torchtitan_glm.compile import apply_compile, compile_unit
+
+from .builders import build_model, make_batch, train_forward
+
+
+def _leaves(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _leaves(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _leaves(v)]
+    if dataclasses.is_dataclass(x) or hasattr(x, "_fields"):
+        names = x._fields if hasattr(x, "_fields") else [f.name for f in dataclasses.fields(x)]
+        return [t for n in names for t in _leaves(getattr(x, n))]
+    return []
+
+
+class _Saved(nn.Module):
+    """Calls a layer under saved-tensor hooks that record what it keeps for backward besides parameters/buffers."""
+
+    def __init__(self, layer: nn.Module, owned: set[int], log: list) -> None:
+        super().__init__()
+        self.layer, self.owned, self.log = layer, owned, log
+        self.shares_indices = getattr(layer, "shares_indices", False)
+
+    def forward(self, *args, **kwargs):
+        inputs = {t.untyped_storage().data_ptr() for t in _leaves((args, kwargs))}
+
+        def pack(t: torch.Tensor):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self.owned and t.numel():  # (0,): the checkpoint's own placeholder
+                self.log.append((tuple(t.shape), t.dtype, ptr in inputs))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return self.layer(*args, **kwargs)
+
+
+@pytest.mark.parametrize("moe_chunk_tokens", [0, 16])
+def test_compiled_full_ac_blocks_keep_only_their_inputs(moe_chunk_tokens):
+    model = build_model(0)
+    apply_activation_checkpointing(model, mode="full", moe_chunk_tokens=moe_chunk_tokens)
+    apply_compile(model, backend="aot_eager_decomp_partition", components=["model"])
+    for layer in list(model.layers.values()) + [model.mtp]:  # compiled inside, the checkpoint left eager
+        assert compile_unit(layer) is not layer and compile_unit(layer)._compiled_call_impl is not None
+        assert getattr(layer, "_compiled_call_impl", None) is None
+    owned = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    logs = {name: [] for name in model.layers}
+    for name in logs:
+        model.layers[name] = _Saved(model.layers[name], owned, logs[name])
+    batch = make_batch(0, model.args.vocab_size, bsz=1, seqlen=64)
+    train_forward(model, batch, token_scale=1e-3, mtp_scale=1e-4).loss.backward()
+    for name, log in logs.items():
+        assert log, f"layer {name} saved nothing: the hooks did not see the block"
+        kept = [(shape, dtype) for shape, dtype, is_input in log if not is_input]
+        assert not kept, f"layer {name} keeps tensors that are not its inputs for backward: {kept}"
