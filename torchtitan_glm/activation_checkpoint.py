@@ -188,6 +188,33 @@ def _selective_context(sites: BlockSites | None = None) -> tuple:
     return create_selective_checkpoint_contexts(functools.partial(_policy, _save_list(), sites))
 
 
+def _recompute_all(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _full_context() -> tuple:
+    return create_selective_checkpoint_contexts(_recompute_all)
+
+
+def for_compile(layer: nn.Module) -> nn.Module:
+    """The layer compile.py compiles in place of `layer`: a full-AC layer is re-wrapped so its checkpoint names
+    "recompute" for every op (a selective policy that saves nothing), other layers are returned as they are.
+
+    A plain checkpoint traced by dynamo is tagged for recompute node by node in dynamo's graph, and torch 2.11 does not
+    tag the ops inside autograd.Functions there (the mHC projection, the KDA gate, the gated norm, the MoE dispatch,
+    SwiGLU); the min-cut partitioner saved their outputs as if there were no checkpoint: about 30 GiB for the proxy
+    at T = 32,768, which then ran out of memory on an H100 where eager full AC peaks at 53.8 GiB (docs/performance.md,
+    thirty-first session). A selective policy tags every op as AOTAutograd traces it, inside autograd.Functions too,
+    on torch 2.11 and 2.13 alike. Eager keeps the plain checkpoint: the policy's dispatch mode would cost every op a
+    Python call. (An eager checkpoint around the compiled block saved the inputs only, but on torch 2.11 its
+    recompute recompiled the block and the gradients came out wrong.)"""
+    if getattr(layer, "ac_mode", None) != "full":
+        return layer
+    wrapped = checkpoint_wrapper(layer._checkpoint_wrapped_module, preserve_rng_state=False, context_fn=_full_context)
+    wrapped.ac_mode = "full"
+    return wrapped
+
+
 def wrap_block(block: nn.Module, *, mode: str, recompute_modules: Iterable[str] = (),
                sites: BlockSites | None = None) -> nn.Module:
     """The block wrapped for `mode` (checkpoint_wrapper keeps state_dict names free of its prefix). sites: the
@@ -200,7 +227,7 @@ def wrap_block(block: nn.Module, *, mode: str, recompute_modules: Iterable[str] 
         return block
     if mode == "full":
         wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
-        wrapped.compile_inside = True  # compile.py compiles the block, not its checkpoint: see compile_unit there
+        wrapped.ac_mode = "full"  # for_compile swaps in the op-by-op form before torch.compile
         return wrapped
     if mode == "selective":
         sites = (sites or BlockSites([block], recompute_modules)) if recompute_modules else None
@@ -228,8 +255,8 @@ class HostOffload:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def _pack(self, t: torch.Tensor):
-        if isinstance(t, nn.Parameter) or (t.device.type == "cpu" and not self.copy_host_tensors):
-            return t
+        if isinstance(t, nn.Parameter) or not t.numel() or (t.device.type == "cpu" and not self.copy_host_tensors):
+            return t  # an empty tensor (torch 2.11's checkpoint saves one beside the inputs) has nothing to move
         host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda")
         copied = None
         if t.device.type == "cuda":

@@ -93,7 +93,9 @@ def _packed(compiled: bool) -> tuple[list, float]:
 
 def test_compiled_blocks_offload_what_eager_blocks_offload():
     """Inductor's partition of a fully checkpointed block saves its inputs only, so the host copies are the same
-    tensors as in eager (plus the small int64 document inputs and the router's bias)."""
+    tensors as in eager (plus the small int64 document inputs and the router's bias). Without
+    activation_checkpoint.for_compile, torch 2.11 also saved the outputs of the blocks' autograd.Functions
+    (docs/performance.md, thirty-first session)."""
     eager, loss = _packed(False)
     compiled, loss_c = _packed(True)
     big = lambda packed: sorted((s, str(d)) for s, d in packed if torch.Size(s).numel() >= SEQ * 64)  # noqa: E731
