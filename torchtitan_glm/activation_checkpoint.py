@@ -207,7 +207,7 @@ def for_compile(layer: nn.Module) -> nn.Module:
     thirty-first session). A selective policy tags every op as AOTAutograd traces it, inside autograd.Functions too,
     on torch 2.11 and 2.13 alike. Eager keeps the plain checkpoint: the policy's dispatch mode would cost every op a
     Python call. (An eager checkpoint around the compiled block saved the inputs only, but on torch 2.11 its
-    recompute recompiled the block and the gradients came out wrong.)"""
+    recompute recompiled every block kind: a dispatch-key guard on the inputs the checkpoint hands back.)"""
     if getattr(layer, "ac_mode", None) != "full":
         return layer
     wrapped = checkpoint_wrapper(layer._checkpoint_wrapped_module, preserve_rng_state=False, context_fn=_full_context)
