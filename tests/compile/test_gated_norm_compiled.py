@@ -1,6 +1,6 @@
 """KDA's gated output norm (an autograd.Function with its own backward) compiled with fullgraph=True gives eager's
-gradients. On torch 2.11 (CPU, dynamo alone: backend "eager") the compiled gradients of all three inputs came out as
-zeros (docs/performance.md, thirty-first session); this test states what every torch version must give."""
+gradients. On torch 2.11 (dynamo alone: backend "eager") the compiled gradients of all three inputs came out as zeros
+in FP32 while the forward ended in a `.to` that returned its input (docs/performance.md, thirty-first session)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,10 @@ class _GatedRmsNorm(torch.autograd.Function):
         r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         y = xf * r * at_least_fp32(weight)
         ctx.save_for_backward(x, gate, weight, r)
-        return (y * torch.sigmoid(at_least_fp32(gate))).to(x.dtype)
+        out = y * torch.sigmoid(at_least_fp32(gate))
+        # no `.to` where it would return its input: under torch 2.11's dynamo that made the compiled gradients of
+        # every input zeros in FP32 (docs/performance.md, thirty-first session)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
