@@ -5,33 +5,21 @@ fails that way on torch 2.11 without for_compile."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
+from tests.saved import saved_for_backward
 from torchtitan_glm.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_glm.compile import apply_compile
 
 from .builders import build_model, make_batch, train_forward, training_loss
 
 
-def _leaves(x) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for v in x for t in _leaves(v)]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _leaves(v)]
-    if dataclasses.is_dataclass(x) or hasattr(x, "_fields"):
-        names = x._fields if hasattr(x, "_fields") else [f.name for f in dataclasses.fields(x)]
-        return [t for n in names for t in _leaves(getattr(x, n))]
-    return []
-
-
 class _Saved(nn.Module):
-    """Calls a layer under saved-tensor hooks that record what it keeps for backward besides parameters/buffers."""
+    """Calls a layer and records what it keeps for backward besides parameters and buffers: (shape, dtype, is one of
+    the layer's inputs) per tensor."""
 
     def __init__(self, layer: nn.Module, owned: set[int], log: list) -> None:
         super().__init__()
@@ -39,16 +27,14 @@ class _Saved(nn.Module):
         self.shares_indices = getattr(layer, "shares_indices", False)
 
     def forward(self, *args, **kwargs):
-        inputs = {t.untyped_storage().data_ptr() for t in _leaves((args, kwargs))}
-
-        def pack(t: torch.Tensor):
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        with saved_for_backward() as held:
+            out = self.layer(*args, **kwargs)
+        for t in held:  # the (0,) tensor is the checkpoint's own placeholder
             ptr = t.untyped_storage().data_ptr()
-            if ptr not in self.owned and t.numel():  # (0,): the checkpoint's own placeholder
+            if ptr not in self.owned and t.numel():
                 self.log.append((tuple(t.shape), t.dtype, ptr in inputs))
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            return self.layer(*args, **kwargs)
+        return out
 
 
 def _name(fqn: str) -> str:
