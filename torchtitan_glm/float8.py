@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from torchtitan_glm.config import SERVING_BF16_ROLES, Float8Config
+from torchtitan_glm.config import SERVING_BF16_ROLES, ConfigError, Float8Config
 
 __all__ = ["Float8Summary", "linear_roles", "fp8_convertible", "convert_float8", "float8_linear_class",
            "precompute_float8_scales", "configure_inductor_for_float8", "param_precisions", "plain_tensors"]
@@ -195,6 +195,26 @@ def plain_tensors(state: object) -> object:
     if isinstance(state, torch.Tensor) and type(state) is not torch.Tensor and hasattr(state, "_tensor"):
         return state._tensor
     return state
+
+
+def cpu_scaled_mm_takes_row_scales() -> bool:
+    """Whether this torch's CPU torch._scaled_mm accepts row-wise scales, which torchao's rowwise recipes call:
+    torch 2.13 does; torch 2.11 asserts "only supports per-tensor scaling for CPU backend"."""
+    a = torch.ones(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
+def check_float8_on_cpu(cfg: Float8Config) -> None:
+    """A rowwise recipe on a host whose CPU torch._scaled_mm lacks row-wise scales: a ConfigError naming
+    float8.recipe before anything is built, not torch's internal assert at the first FP8 GEMM."""
+    if cfg.enable and cfg.recipe != "tensorwise" and not cpu_scaled_mm_takes_row_scales():
+        raise ConfigError("float8.recipe", f"{cfg.recipe!r} needs torch._scaled_mm with row-wise scales, which torch "
+                          f"{torch.__version__} lacks on CPU; use 'tensorwise' here (the routed experts' FP8 grouped "
+                          "GEMM stays rowwise: the project emulates it on CPU) or torch >= 2.13")
 
 
 def configure_inductor_for_float8(*, cfg: Float8Config) -> None:

@@ -42,7 +42,8 @@ from torchtitan_glm.distributed.fsdp_comms import (compute_pool_applies, compute
                                                    custom_reduce_scatter_supported)
 from torchtitan_glm.distributed.grad_accumulation import GradientAccumulation
 from torchtitan_glm.distributed.parallel_dims import ParallelDims, validate_model_layout, world_size_from_env
-from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8, precompute_float8_scales
+from torchtitan_glm.float8 import check_float8_on_cpu, configure_inductor_for_float8, convert_float8, \
+    precompute_float8_scales
 from torchtitan_glm.models.glm5 import Glm5Model, Glm5ModelArgs
 from torchtitan_glm.models.glm5.batch import TrainBatch, train_batch
 from torchtitan_glm.models.glm5.parallelize import parallelize_glm5
@@ -123,8 +124,8 @@ def init_distributed(*, cpu_backend: bool = False) -> tuple[int, int, torch.devi
 
 def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
     """The parallel layout checked against WORLD_SIZE (torchrun sets it before Python starts) and the model args,
-    profiling.memory against the host (CUDA only), and on a GPU host the pinned memory of
-    activation_checkpoint.offload_inputs against the host's: ConfigErrors naming the keys, raised before any
+    profiling.memory against the host (CUDA only), a rowwise float8.recipe against a CPU host's torch, and on a GPU
+    host the pinned memory of activation_checkpoint.offload_inputs against the host's: ConfigErrors naming the keys, raised before any
     process group starts (main() runs it first: exit 2)."""
     try:
         dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size_from_env())
@@ -145,6 +146,8 @@ def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
         if cfg.profiling.memory and not torch.cuda.is_available():
             raise ConfigError("profiling.memory", "records CUDA allocations (torch.cuda.memory) and this host has "
                               "no CUDA device; use profiling.enable for the operator profile")
+        if not torch.cuda.is_available():
+            check_float8_on_cpu(cfg.float8)
         if torch.cuda.is_available():
             check_offload_host_memory(cfg, args, cp=dims.cp,
                                       local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),

@@ -104,6 +104,30 @@ def test_train_exits_2_naming_a_bad_float8_key():
     assert res.returncode == 2 and "float8.keep_bf16" in res.stderr and "'moe'" in res.stderr
 
 
+def test_rowwise_on_a_cpu_torch_without_row_scales_names_the_recipe(monkeypatch):
+    """torch 2.11's CPU _scaled_mm asserts on row-wise scales: check_layout says so naming float8.recipe (exit 2 in
+    main) instead; tensorwise and FP8 off still pass. The probe agrees with what a rowwise Float8Linear does here."""
+    import torchtitan_glm.float8 as f8
+    from torchtitan_glm.train import check_layout
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    linear = torch.nn.Sequential(torch.nn.Linear(32, 16, bias=False, dtype=torch.bfloat16))
+    convert_to_float8_training(linear, config=Float8LinearConfig.from_recipe_name("rowwise"))
+    try:
+        linear(torch.randn(16, 32, dtype=torch.bfloat16))
+        works = True
+    except RuntimeError:
+        works = False
+    assert f8.cpu_scaled_mm_takes_row_scales() == works
+    monkeypatch.setattr(f8, "cpu_scaled_mm_takes_row_scales", lambda: False)
+    for recipe in ("rowwise", "rowwise_with_gw_hp"):
+        with pytest.raises(ConfigError, match=r"float8\.recipe.*row-wise scales"):
+            check_layout(load_config(["--float8.enable", "true", "--float8.recipe", recipe]))
+    check_layout(load_config(["--float8.enable", "true", "--float8.recipe", "tensorwise"]))
+    check_layout(load_config(["--float8.recipe", "rowwise"]))
+
+
 def test_hf_config_of_another_model_type_is_named(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama", "num_key_value_heads": 8}')
     with pytest.raises(ConfigError) as info:

@@ -11,11 +11,26 @@ from torch import Tensor
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; backward hands on a contiguous gradient. torch 2.11's all-gather backward reduce-scatters
+    the incoming gradient as it comes and fails on a strided one ("Expected input.is_contiguous()"), as when the
+    gathered tensor is transposed and reshaped (ops/kda_cp.py conv_halo); torch 2.13 copies it itself."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
 def all_gather_autograd(x: Tensor, *, dim: int, group: dist.ProcessGroup) -> Tensor:
     """Concatenate every rank's x along dim, in rank order; the gradient of x is the sum over ranks of the
     gradient of its slot (traceable by dynamo)."""
     dim = dim % x.ndim
     out = _all_gather(x.contiguous(), 0, group)  # may be an AsyncCollectiveTensor: its first use waits
+    out = _ContiguousGrad.apply(out)
     if dim == 0:
         return out
     world = dist.get_world_size(group)
