@@ -124,8 +124,8 @@ def init_distributed(*, cpu_backend: bool = False) -> tuple[int, int, torch.devi
 
 def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
     """The parallel layout checked against WORLD_SIZE (torchrun sets it before Python starts) and the model args,
-    profiling.memory against the host (CUDA only), a rowwise float8.recipe against a CPU host's torch, and on a GPU
-    host the pinned memory of activation_checkpoint.offload_inputs against the host's: ConfigErrors naming the keys, raised before any
+    profiling.memory against the host (CUDA only), and on a GPU host the pinned memory of
+    activation_checkpoint.offload_inputs against the host's: ConfigErrors naming the keys, raised before any
     process group starts (main() runs it first: exit 2)."""
     try:
         dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size_from_env())
@@ -146,8 +146,6 @@ def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
         if cfg.profiling.memory and not torch.cuda.is_available():
             raise ConfigError("profiling.memory", "records CUDA allocations (torch.cuda.memory) and this host has "
                               "no CUDA device; use profiling.enable for the operator profile")
-        if not torch.cuda.is_available():
-            check_float8_on_cpu(cfg.float8)
         if torch.cuda.is_available():
             check_offload_host_memory(cfg, args, cp=dims.cp,
                                       local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
@@ -157,9 +155,15 @@ def check_layout(cfg: JobConfig) -> tuple[ParallelDims, Glm5ModelArgs]:
     return dims, args
 
 
-def check_device_memory_limit(cfg: JobConfig) -> None:
-    """training.device_memory_limit_gib against this host's device (not in check_layout: the planner plans it for
-    a card it does not have); a ConfigError naming the key."""
+def check_this_host(cfg: JobConfig) -> None:
+    """training.device_memory_limit_gib against this host's device, and a rowwise float8.recipe against a CPU
+    host's torch (not in check_layout: the planner checks configs for machines it is not on); a ConfigError naming
+    the key."""
+    if not torch.cuda.is_available():
+        try:
+            check_float8_on_cpu(cfg.float8)
+        except ConfigError as e:
+            raise cfg.with_source(e) from None
     limit = cfg.training.device_memory_limit_gib
     if limit:
         card = (torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory
@@ -236,7 +240,7 @@ class Trainer:
         self.cfg = cfg
         self.argv = argv  # train.py's arguments, for the start-up summary's planned figures (None: no plan)
         dims, self.args = check_layout(cfg)
-        check_device_memory_limit(cfg)
+        check_this_host(cfg)
         self.rank, self.world, self.device = init_distributed(cpu_backend=cfg.optimizer.cpu_offload)
         if cfg.training.device_memory_limit_gib:
             fraction = limit_device_memory(cfg.training.device_memory_limit_gib, self.device)
@@ -718,7 +722,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = load_config(argv)  # ConfigError -> exit 2 before any process group starts
     check_layout(cfg)  # the same for the parallel layout against the world size and the model
-    check_device_memory_limit(cfg)
+    check_this_host(cfg)
     check_output_folders(cfg)  # and for the folders it will write into
     init_logging(rank=int(os.environ.get("RANK", 0)))
     if torch.cuda.is_available():

@@ -105,10 +105,11 @@ def test_train_exits_2_naming_a_bad_float8_key():
 
 
 def test_rowwise_on_a_cpu_torch_without_row_scales_names_the_recipe(monkeypatch):
-    """torch 2.11's CPU _scaled_mm asserts on row-wise scales: check_layout says so naming float8.recipe (exit 2 in
-    main) instead; tensorwise and FP8 off still pass. The probe agrees with what a rowwise Float8Linear does here."""
+    """torch 2.11's CPU _scaled_mm asserts on row-wise scales: the trainer's host check says so naming float8.recipe
+    (exit 2 in main) instead; tensorwise and FP8 off still pass, and so does check_layout (which the planner runs for
+    other machines). The probe agrees with what a rowwise Float8Linear does here."""
     import torchtitan_glm.float8 as f8
-    from torchtitan_glm.train import check_layout
+    from torchtitan_glm.train import check_layout, check_this_host
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -123,9 +124,10 @@ def test_rowwise_on_a_cpu_torch_without_row_scales_names_the_recipe(monkeypatch)
     monkeypatch.setattr(f8, "cpu_scaled_mm_takes_row_scales", lambda: False)
     for recipe in ("rowwise", "rowwise_with_gw_hp"):
         with pytest.raises(ConfigError, match=r"float8\.recipe.*row-wise scales"):
-            check_layout(load_config(["--float8.enable", "true", "--float8.recipe", recipe]))
-    check_layout(load_config(["--float8.enable", "true", "--float8.recipe", "tensorwise"]))
-    check_layout(load_config(["--float8.recipe", "rowwise"]))
+            check_this_host(load_config(["--float8.enable", "true", "--float8.recipe", recipe]))
+        check_layout(load_config(["--float8.enable", "true", "--float8.recipe", recipe]))
+    check_this_host(load_config(["--float8.enable", "true", "--float8.recipe", "tensorwise"]))
+    check_this_host(load_config(["--float8.recipe", "rowwise"]))
 
 
 def test_hf_config_of_another_model_type_is_named(tmp_path):
