@@ -21,7 +21,8 @@ from torch import nn
 from torchtitan_glm.config import SERVING_BF16_ROLES, ConfigError, Float8Config
 
 __all__ = ["Float8Summary", "linear_roles", "fp8_convertible", "convert_float8", "float8_linear_class",
-           "precompute_float8_scales", "configure_inductor_for_float8", "param_precisions", "plain_tensors"]
+           "precompute_float8_scales", "configure_inductor_for_float8", "param_precisions", "plain_tensors",
+           "cpu_scaled_mm_takes_row_scales", "check_float8_on_cpu"]
 
 
 def float8_linear_class() -> type:

@@ -108,10 +108,10 @@ def test_rowwise_on_a_cpu_torch_without_row_scales_names_the_recipe(monkeypatch)
     """torch 2.11's CPU _scaled_mm asserts on row-wise scales: the trainer's host check says so naming float8.recipe
     (exit 2 in main) instead; tensorwise and FP8 off still pass, and so does check_layout (which the planner runs for
     other machines). The probe agrees with what a rowwise Float8Linear does here."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
     import torchtitan_glm.float8 as f8
     from torchtitan_glm.train import check_layout, check_this_host
-
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     linear = torch.nn.Sequential(torch.nn.Linear(32, 16, bias=False, dtype=torch.bfloat16))
     convert_to_float8_training(linear, config=Float8LinearConfig.from_recipe_name("rowwise"))
