@@ -1,7 +1,7 @@
-"""Full activation checkpointing of compiled blocks keeps only each block's inputs across the forward, as eager full
-AC does, with eager's gradients. torch 2.11 does not tag the ops inside autograd.Functions of a plain checkpoint
-traced into the graph, and the partitioner then saved their outputs (activation_checkpoint.for_compile); this test
-fails that way on torch 2.11 without for_compile."""
+"""Full activation checkpointing of compiled blocks (the layers and the MTP layer) keeps only each block's inputs
+across the forward, as eager full AC does, with eager's gradients. torch 2.11 does not tag the ops inside
+autograd.Functions of a plain checkpoint traced into the graph, and the partitioner then saved their outputs
+(activation_checkpoint.for_compile); this test fails that way on torch 2.11 without for_compile."""
 
 from __future__ import annotations
 
@@ -47,9 +47,10 @@ def test_compiled_full_ac_blocks_keep_only_their_inputs(moe_chunk_tokens):
     apply_activation_checkpointing(model, mode="full", moe_chunk_tokens=moe_chunk_tokens)
     apply_compile(model, backend="aot_eager_decomp_partition", components=["model"])
     owned = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
-    logs = {name: [] for name in model.layers}
-    for name in logs:
+    logs = {name: [] for name in list(model.layers) + ["mtp"]}
+    for name in model.layers:
         model.layers[name] = _Saved(model.layers[name], owned, logs[name])
+    model.mtp = _Saved(model.mtp, owned, logs["mtp"])
     batch = make_batch(0, model.args.vocab_size, bsz=1, seqlen=64)
     training_loss(train_forward(model, batch, token_scale=1e-3, mtp_scale=1e-4)).backward()
     eager = build_model(0)
