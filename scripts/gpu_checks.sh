@@ -2,7 +2,8 @@
 # One GPU session: the CUDA tests (FLA KDA vs the torch reference), the proxy benchmark (eager vs compiled,
 # with and without AC) and a short GPU training run (NCCL, BF16 mixed precision, inductor). Logs go to $OUT.
 #   OUT=./gpu_out bash scripts/gpu_checks.sh            (on the GPU machine, FLA/torchao importable)
-#   STAGES="tests" / "bench" / "fp8" / "train" select parts; *_TIMEOUT bound each part. fp8: the CUDA FP8 tests,
+#   STAGES="tests" / "bench" / "fp8" / "train" select parts; *_TIMEOUT bound each part. tests: GPU_TESTS (default
+#   tests/gpu: more than one 600-s call holds, so name files or add -k there). fp8: the CUDA FP8 tests,
 #   scripts/precision_agreement.py on the proxy, and BF16 vs FP8-split benchmark runs (FP8_RUNS, FP8_SEQ, FP8_SCOPE;
 #   alone: fp8bench).
 #   longctx: the Triton sparse-MLA tests, scripts/bench_dsa.py (DSA_SEQ; alone: dsa) and the proxy's sequence-length
@@ -75,10 +76,17 @@ if [ -n "${HOST_SAMPLER:-}" ]; then
   sampler=$!
 fi
 trap 'pack_cache; [ -n "$sampler" ] && kill "$sampler"' EXIT
+# the GPU tests: at GPU_TEST_TIMEOUT pytest gets SIGINT, so it still prints the failures so far (-rfE: their
+# messages in the short summary); a plain kill returned only the progress dots (2026-12-07)
+gpu_pytest() {
+  local log=$1; shift
+  timeout -s INT -k 20 "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -rfE -m gpu "$@" -p no:cacheprovider 2>&1 \
+      | tee "$log"
+}
 nvidia-smi -L | tee "$OUT/device.txt"
 python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__)" | tee -a "$OUT/device.txt"
 case " $STAGES " in *" tests "*)
-  timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" ;;
+  gpu_pytest "$OUT/gpu_tests.log" ${GPU_TESTS:-tests/gpu} ;;
 esac
 pack_cache
 case " $STAGES " in *" bench "*)
@@ -88,8 +96,7 @@ case " $STAGES " in *" bench "*)
 esac
 pack_cache
 case " $STAGES " in *" fp8 "*)
-  timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/gpu/test_float8_cuda.py -p no:cacheprovider 2>&1 \
-      | tee "$OUT/fp8_tests.log"
+  gpu_pytest "$OUT/fp8_tests.log" tests/gpu/test_float8_cuda.py
   timeout 200 python3 scripts/precision_agreement.py --seq-len 4096 --json "$OUT/agreement.json" 2>&1 \
       | tee "$OUT/agreement.log" ;;
 esac
@@ -110,8 +117,7 @@ case " $STAGES " in *" recompute "*)
 esac
 pack_cache
 case " $STAGES " in *" longctx "*)
-  timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/gpu/test_sparse_mla.py -p no:cacheprovider 2>&1 \
-      | tee "$OUT/sparse_mla_tests.log" ;;
+  gpu_pytest "$OUT/sparse_mla_tests.log" tests/gpu/test_sparse_mla.py ;;
 esac
 pack_cache
 case " $STAGES " in *" longctx "*|*" dsa "*)
@@ -224,8 +230,7 @@ trained_proxy() {
   echo "$dir"
 }
 case " $STAGES " in *" serving "*)
-  timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/gpu/test_decode_cuda.py -p no:cacheprovider 2>&1 \
-      | tee "$OUT/decode_tests.log"
+  gpu_pytest "$OUT/decode_tests.log" tests/gpu/test_decode_cuda.py
   # first train the proxy (trained_proxy) unless ROLLOUT_SOURCE names a checkpoint or ROLLOUT_TRAIN_STEPS=0
   src=${ROLLOUT_SOURCE:-}
   if [ -z "$src" ] && [ "${ROLLOUT_TRAIN_STEPS:-30}" -gt 0 ]; then

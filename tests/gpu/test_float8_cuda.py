@@ -42,6 +42,11 @@ def test_torchao_fp8_grouped_mm_matches_emulation():
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_moe_block_compiles_under_inductor(recipe):
+    """Compiled and eager FP8 differ where a BF16 value before a cast lands on the other side of an E4M3 rounding
+    step (up to 12.5% of that element): on CPU (debug dims, aot_eager, 2026-12-07) the routed experts' weight
+    gradient differed by 2.9% between the two while each was 6.4% from the FP32 block. So each is measured against
+    the block in FP32 without FP8, and the compiled block must be as accurate as the eager one, with FP8 visibly
+    engaged (its error well above BF16's). Broken scales or a wrong cast would put the compiled error at order one."""
     args = get_flavor("glm5_3_flash_proxy").replace(num_hidden_layers=2, layer_types=["linear_attention"] * 2,
                                                     mlp_layer_types=["sparse", "sparse"], indexer_types=None,
                                                     num_nextn_predict_layers=0,
@@ -49,6 +54,8 @@ def test_fp8_moe_block_compiles_under_inductor(recipe):
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Glm5Model(args).to(torch.bfloat16)
+    exact = copy.deepcopy(model.layers["1"]).float()
+    bf16 = copy.deepcopy(model.layers["1"])
     cfg = Float8Config(enable=True, recipe=recipe)
     convert_float8(model, cfg=cfg)
     configure_inductor_for_float8(cfg=cfg)
@@ -59,12 +66,17 @@ def test_fp8_moe_block_compiles_under_inductor(recipe):
     from torchtitan_glm.models.glm5.seqinfo import doc_positions
 
     batch = BatchLayout(DocLayout(*doc_positions(None, 1, 2048, streams.device)), None)
-    compiled = torch.compile(block, fullgraph=True)
-    a = compiled(streams, batch)[0]
-    b = eager(streams, batch)[0]
-    a.float().square().mean().backward()
-    b.float().square().mean().backward()
-    assert _rel(a, b) < 2e-2
-    g_a = block.mlp.experts.gate_proj.grad
-    g_b = eager.mlp.experts.gate_proj.grad
-    assert g_a is not None and _rel(g_a, g_b) < 5e-2
+
+    def run(layer, x):
+        out = layer(x, batch)[0]
+        out.float().square().mean().backward()
+        return out, layer.mlp.experts.gate_proj.grad
+
+    want, want_g = run(exact, streams.float())
+    errors = {name: (_rel(out, want), _rel(grad, want_g)) for name, (out, grad) in
+              [("bf16", run(bf16, streams)), ("eager", run(eager, streams)),
+               ("compiled", run(torch.compile(block, fullgraph=True), streams))]}
+    print(recipe, {k: f"out {o:.2e}, expert grad {g:.2e}" for k, (o, g) in errors.items()})
+    (out_b, grad_b), (out_e, grad_e), (out_c, grad_c) = errors["bf16"], errors["eager"], errors["compiled"]
+    assert grad_e > 2 * grad_b and grad_e < 0.2, errors  # FP8 engaged, and within FP8's rounding
+    assert out_c <= 1.25 * out_e + 1e-4 and grad_c <= 1.25 * grad_e, errors
