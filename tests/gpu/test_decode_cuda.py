@@ -78,33 +78,42 @@ def test_triton_sparse_mla_reads_a_longer_latent_cache():
 
 @torch.no_grad()
 def test_debug_model_decode_matches_forward_on_cuda():
-    """The debug model on the GPU (FLA prefill + recurrent steps, Triton sparse MLA): decode logits vs the packed
-    training forward, FP32 and BF16.
+    """The debug model on the GPU (FLA prefill + recurrent steps, Triton sparse MLA): decode logits against the
+    training forward, FP32 and BF16, with every expert and every pool selected.
 
-    FLA's kernels compute FP32 through TF32 (about 1e-3 relative), enough to flip a near-tied discrete choice (an
-    expert of the top-k routing, a pool of the indexer's top-k) at some position, after which that position and the
-    ones that read its state differ by O(1): on the H200 (2026-12-03) the FP32 comparison with top-2 routing and
-    index_topk = 8 failed at max relative error 0.33, with ~1e-3 elsewhere; on CPU, 1e-3 relative noise on the KDA
-    outputs reproduces it (0.32-0.48) and gives 3.9e-3 once no choice is discrete. So the FP32 comparison takes
-    every expert and every pool (the kernels' numerics alone), and the discrete choices are checked by the BF16
-    log-prob Pearson (statistical, as scripts/rollout_agreement.py reports it); CPU tests compare them exactly."""
+    FLA's kernels compute FP32 through TF32 (about 1e-3 relative). A near-tied discrete choice (an expert of the
+    top-k routing, a pool of the indexer's top-k) that flips under such noise changes that position and the ones
+    that read its state at order one: on the H200 (2026-12-03) the FP32 comparison with top-2 routing and
+    index_topk = 8 failed at max relative error 0.33; on CPU one flip in BF16 takes the log-prob Pearson from
+    0.999999 to 0.990 (2026-12-07). So both comparisons select everything (the kernels' numerics alone); the
+    discrete choices are compared exactly on CPU (tests/unit/test_decode.py) and statistically on a trained
+    checkpoint by scripts/rollout_agreement.py. Even without choices, 1e-3 relative noise on the KDA outputs gives
+    5.7e-3 on CPU (2026-12-07; this test's former fixed bound was 5e-3, and it failed on an H100 that day): so the
+    FP32 bar is the CUDA training forward's own distance from the CPU reference, decode within 4x of it."""
+    import copy
+
     from tests.decode_util import decoded_logits, max_rel_err, packed_logits, random_docs, randomize
     from torchtitan_glm.models.glm5 import Glm5Model, get_flavor
     from torchtitan_glm.models.glm5.hf_io import _cast_for_load
 
     docs = random_docs([70, 33, 9, 48], 512, seed=2)
     prefill_lengths = [1, 4, 7, 30]
-    docs = [d.to(DEV) for d in docs]
     base = get_flavor("debug").replace(num_nextn_predict_layers=0)
     no_choice = base.replace(index_topk=128, num_experts_per_tok=base.n_routed_experts)
     torch.manual_seed(0)
-    model = randomize(Glm5Model(no_choice), seed=1).eval().to(DEV)
-    err = max_rel_err(decoded_logits(model, docs, prefill_lengths), packed_logits(model, docs))
-    assert err < 5e-3, err
+    reference = randomize(Glm5Model(no_choice), seed=1).eval()
+    exact = packed_logits(reference, docs)  # CPU: the torch references in FP32
+    model = copy.deepcopy(reference).to(DEV)
+    cuda_docs = [d.to(DEV) for d in docs]
+    on_host = lambda logits: [x.cpu() for x in logits]  # noqa: E731
+    floor = max_rel_err(on_host(packed_logits(model, cuda_docs)), exact)
+    err = max_rel_err(on_host(decoded_logits(model, cuda_docs, prefill_lengths)), exact)
+    print(f"FP32 max relative error against the CPU reference: forward {floor:.2e}, decode {err:.2e}")
+    assert err <= 4 * floor + 1e-5 and err < 2e-2, (err, floor)
 
-    model = randomize(Glm5Model(base.replace(index_topk=8)), seed=1).eval().to(DEV)
     _cast_for_load(model, torch.bfloat16)  # FP32-kept modules stay FP32, as from_pretrained leaves them
-    got = torch.cat([x.float().log_softmax(-1) for x in decoded_logits(model, docs, prefill_lengths)])
-    want = torch.cat([x.float().log_softmax(-1) for x in packed_logits(model, docs)])
+    got = torch.cat([x.float().log_softmax(-1) for x in decoded_logits(model, cuda_docs, prefill_lengths)])
+    want = torch.cat([x.float().log_softmax(-1) for x in packed_logits(model, cuda_docs)])
     pearson = float(torch.corrcoef(torch.stack([got.flatten(), want.flatten()]))[0, 1])
+    print(f"BF16 decode against forward: log-prob Pearson {pearson:.6f}")
     assert pearson > 0.999, pearson
