@@ -45,8 +45,9 @@ def test_fp8_moe_block_compiles_under_inductor(recipe):
     """Compiled and eager FP8 differ where a BF16 value before a cast lands on the other side of an E4M3 rounding
     step (up to 12.5% of that element): on CPU (debug dims, aot_eager, 2026-12-07) the routed experts' weight
     gradient differed by 2.9% between the two while each was 6.4% from the FP32 block. So each is measured against
-    the block in FP32 without FP8, and the compiled block must be as accurate as the eager one, with FP8 visibly
-    engaged (its error well above BF16's). Broken scales or a wrong cast would put the compiled error at order one."""
+    the block in FP32 without FP8, and the compiled block must be as accurate as the eager one (BF16's error for
+    scale: on torch 2.11's CPU its grouped GEMM alone is 5.2% off). Broken scales or a wrong cast would put the
+    compiled error at order one."""
     args = get_flavor("glm5_3_flash_proxy").replace(num_hidden_layers=2, layer_types=["linear_attention"] * 2,
                                                     mlp_layer_types=["sparse", "sparse"], indexer_types=None,
                                                     num_nextn_predict_layers=0,
@@ -57,7 +58,8 @@ def test_fp8_moe_block_compiles_under_inductor(recipe):
     exact = copy.deepcopy(model.layers["1"]).float()
     bf16 = copy.deepcopy(model.layers["1"])
     cfg = Float8Config(enable=True, recipe=recipe)
-    convert_float8(model, cfg=cfg)
+    summary = convert_float8(model, cfg=cfg)
+    assert summary.converted_linears > 0 and summary.grouped_expert_weights > 0
     configure_inductor_for_float8(cfg=cfg)
     block = model.layers["1"]
     eager = copy.deepcopy(block)
@@ -77,6 +79,6 @@ def test_fp8_moe_block_compiles_under_inductor(recipe):
               [("bf16", run(bf16, streams)), ("eager", run(eager, streams)),
                ("compiled", run(torch.compile(block, fullgraph=True), streams))]}
     print(recipe, {k: f"out {o:.2e}, expert grad {g:.2e}" for k, (o, g) in errors.items()})
-    (out_b, grad_b), (out_e, grad_e), (out_c, grad_c) = errors["bf16"], errors["eager"], errors["compiled"]
-    assert grad_e > 2 * grad_b and grad_e < 0.2, errors  # FP8 engaged, and within FP8's rounding
+    (_, grad_b), (out_e, grad_e), (out_c, grad_c) = errors["bf16"], errors["eager"], errors["compiled"]
+    assert grad_e < 0.2 and grad_b < grad_e, errors  # within FP8's rounding, which costs more than BF16's
     assert out_c <= 1.25 * out_e + 1e-4 and grad_c <= 1.25 * grad_e, errors
