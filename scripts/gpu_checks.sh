@@ -4,8 +4,8 @@
 #   OUT=./gpu_out bash scripts/gpu_checks.sh            (on the GPU machine, FLA/torchao importable)
 #   STAGES="tests" / "bench" / "fp8" / "train" select parts; *_TIMEOUT bound each part. tests: GPU_TESTS (default
 #   tests/gpu: more than one 600-s call holds, so name files or test ids; split on spaces, so no quoted -k).
-#   fp8: the CUDA FP8 tests, scripts/precision_agreement.py on the proxy, and BF16 vs FP8-split benchmark runs (FP8_RUNS, FP8_SEQ, FP8_SCOPE;
-#   alone: fp8bench).
+#   fp8: the CUDA FP8 tests, scripts/precision_agreement.py on the proxy, and BF16 vs FP8-split benchmark runs
+#   (FP8_RUNS, FP8_SEQ, FP8_SCOPE; alone: fp8bench).
 #   longctx: the Triton sparse-MLA tests, scripts/bench_dsa.py (DSA_SEQ; alone: dsa) and the proxy's sequence-length
 #   sweep with the sparse indexer KL (SWEEP_SEQ, SWEEP_RUNS, SWEEP_KL, SWEEP_MOE_CHUNK, SWEEP_OFFLOAD=1 for the full-AC
 #   blocks' inputs in host memory; alone: sweep; one compile per T, so split long compiled sweeps across calls;
