@@ -236,11 +236,16 @@ def _accumulate(sums: dict[str, Any], key: str, value: torch.Tensor) -> None:
 class Trainer:
     """Owns everything a run needs; `train()` runs the loop from the restored step to training.steps."""
 
-    def __init__(self, cfg: JobConfig, *, argv: list[str] | None = None) -> None:
+    def __init__(self, cfg: JobConfig, *, argv: list[str] | None = None,
+                 layout: tuple[ParallelDims, Glm5ModelArgs] | None = None) -> None:
+        """layout: check_layout's result where the caller has run check_layout and check_this_host already (main
+        does, to exit 2 before logging starts); None runs both here."""
         self.cfg = cfg
         self.argv = argv  # train.py's arguments, for the start-up summary's planned figures (None: no plan)
-        dims, self.args = check_layout(cfg)
-        check_this_host(cfg)
+        if layout is None:
+            layout = check_layout(cfg)
+            check_this_host(cfg)
+        dims, self.args = layout
         self.rank, self.world, self.device = init_distributed(cpu_backend=cfg.optimizer.cpu_offload)
         if cfg.training.device_memory_limit_gib:
             fraction = limit_device_memory(cfg.training.device_memory_limit_gib, self.device)
@@ -710,8 +715,8 @@ class Trainer:
             dist.destroy_process_group()
 
 
-def _run(cfg: JobConfig, argv: list[str]) -> None:
-    trainer = Trainer(cfg, argv=argv)
+def _run(cfg: JobConfig, argv: list[str], layout: tuple[ParallelDims, Glm5ModelArgs]) -> None:
+    trainer = Trainer(cfg, argv=argv, layout=layout)
     trainer.train()
     trainer.close()
 
@@ -721,10 +726,10 @@ def main(argv: list[str] | None = None) -> None:
     alloc = default_alloc_conf()  # before anything allocates on the device
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = load_config(argv)  # ConfigError -> exit 2 before any process group starts
-    check_layout(cfg)  # the same for the parallel layout against the world size and the model
+    layout = check_layout(cfg)  # the same for the parallel layout against the world size and the model
     check_this_host(cfg)
     check_output_folders(cfg)  # and for the folders it will write into
     init_logging(rank=int(os.environ.get("RANK", 0)))
     if torch.cuda.is_available():
         logger.info("CUDA allocator: %s", alloc)
-    run_job(lambda: _run(cfg, argv))  # an error on any rank: reported once, every rank exits within seconds
+    run_job(lambda: _run(cfg, argv, layout))  # an error on any rank: reported once, every rank exits within seconds

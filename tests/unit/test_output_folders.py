@@ -93,3 +93,40 @@ def test_errors_found_after_loading_name_where_the_value_came_from(tmp_path, mon
     with pytest.raises(ConfigError) as info:
         check_output_folders(_cfg(tmp_path / "afile"))
     assert info.value.source.startswith("command line --job.dump_folder"), info.value
+
+
+def test_main_checks_the_layout_once_and_hands_it_to_the_trainer(tmp_path, monkeypatch):
+    """train.main runs check_layout and check_this_host before logging starts (exit 2) and gives the Trainer their
+    result, so the checks (model args, layout, host memory) run once per start, not again inside the Trainer."""
+    from torchtitan_glm import train
+
+    calls = {"layout": 0, "host": 0}
+    seen = {}
+    real_layout, real_host = train.check_layout, train.check_this_host
+
+    def count_layout(cfg):
+        calls["layout"] += 1
+        return real_layout(cfg)
+
+    def count_host(cfg):
+        calls["host"] += 1
+        return real_host(cfg)
+
+    class FakeTrainer:
+        def __init__(self, cfg, *, argv=None, layout=None):
+            seen["layout"] = layout
+
+        def train(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(train, "check_layout", count_layout)
+    monkeypatch.setattr(train, "check_this_host", count_host)
+    monkeypatch.setattr(train, "Trainer", FakeTrainer)
+    train.main(["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path)])
+    assert calls == {"layout": 1, "host": 1}
+    dims, args = seen["layout"]
+    assert dims.world_size == 1 and args.num_hidden_layers == real_layout(_cfg(tmp_path))[1].num_hidden_layers
