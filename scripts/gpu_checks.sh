@@ -58,8 +58,9 @@ OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
 export TRITON_CACHE_DIR=$CACHE/triton TORCHINDUCTOR_CACHE_DIR=$CACHE/inductor
 # Seed: .gpu_cache/fla_autotune.tgz if present, else the tracked results measured on an H200 with torch 2.11,
-# triton 3.6, FLA 0.6 for the proxy and debug shapes. Triton keys them by kernel source and version, so with other
-# versions they are simply not found.
+# triton 3.6, FLA 0.6 for the proxy and debug shapes, plus those of the first GPU tests (kda_fla, decode prefill),
+# measured on an H100 (sm_90 too; 2026-12-08: 39 entries, 115 in all). Triton keys them by kernel source and
+# version, so with other versions they are simply not found.
 if [ -z "$(ls -A "$CACHE/triton")" ]; then
   seed=scripts/gpu_cache/fla_autotune_h200.tgz
   [ -f .gpu_cache/fla_autotune.tgz ] && seed=.gpu_cache/fla_autotune.tgz

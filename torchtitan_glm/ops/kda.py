@@ -190,18 +190,26 @@ def _flat(x: Tensor, varlen: bool) -> Tensor:
     return x.reshape(1, -1, *x.shape[2:]) if varlen else x
 
 
-def _fla_fwd(q, k, v, g, beta, seq_idx, safe_gate, save_states=False) -> tuple[Tensor, list[Tensor]]:
+def _fla_chunk_fwd(q, k, v, g, beta, seq_idx, safe_gate, **kwargs) -> tuple[Tensor | None, tuple]:
+    """FLA's chunk_kda_fwd on the op's raw inputs (flattened to varlen with seq_idx, q and k L2-normalised):
+    (cu_seqlens_cpu, its outputs). Shared by the training forward and the decode prefill."""
     fla = _fla()
-    b, t, h, dk = q.shape
     cu, cu_cpu, chunk_indices = _varlen(seq_idx, q.device)
+    scale = q.shape[-1] ** -0.5
     q, k, v, g, beta = (_flat(x, cu is not None) for x in (q, k, v, g, beta))
     qn, _ = fla.l2norm_fwd(q, eps=_L2_EPS)
     kn, _ = fla.l2norm_fwd(k, eps=_L2_EPS)
-    o, _, _, a_qk, a_kk, w, u, qg, kg, v_new, states, _ = fla.chunk_kda_fwd(
-        q=qn, k=kn, v=v, g=g, beta=beta, scale=dk**-0.5, initial_state=None, output_final_state=False,
-        cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, chunk_indices=chunk_indices, chunk_size=_FLA_CHUNK,
-        safe_gate=safe_gate, disable_recompute=save_states,
+    return cu_cpu, fla.chunk_kda_fwd(
+        q=qn, k=kn, v=v, g=g, beta=beta, scale=scale, initial_state=None, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+        chunk_indices=chunk_indices, chunk_size=_FLA_CHUNK, safe_gate=safe_gate, **kwargs,
     )
+
+
+def _fla_fwd(q, k, v, g, beta, seq_idx, safe_gate, save_states=False) -> tuple[Tensor, list[Tensor]]:
+    b, t, h, _ = q.shape
+    _, outputs = _fla_chunk_fwd(q, k, v, g, beta, seq_idx, safe_gate, output_final_state=False,
+                                disable_recompute=save_states)
+    o, _, _, a_qk, a_kk, w, u, qg, kg, v_new, states, _ = outputs
     # Aqk/Akk (the intra-chunk solve) are the expensive residuals; the rest is recomputed in backward
     # (as FLA's own autograd does, plus the cheap l2norm and gate cumsum). FLA leaves Aqk's non-causal
     # entries unwritten (torch.empty), so their values are arbitrary; only the causal part is ever read.

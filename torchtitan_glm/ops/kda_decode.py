@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .kda import _FLA_CHUNK, _L2_EPS, _chunk_scan, _fla, _flat, _segments, _varlen, normalize_qk
+from .kda import _chunk_scan, _fla_chunk_fwd, _segments, normalize_qk
 
 __all__ = ["kda_prefill", "kda_prefill_reference", "kda_step", "kda_step_reference"]
 
@@ -54,17 +54,8 @@ def kda_step_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 
 
 def _fla_prefill(q, k, v, g, beta, seq_idx, safe_gate) -> tuple[Tensor, Tensor]:
-    fla = _fla()
-    b, t, h, dk = q.shape
-    cu, cu_cpu, chunk_indices = _varlen(seq_idx, q.device)
-    q, k, v, g, beta = (_flat(x, cu is not None) for x in (q, k, v, g, beta))
-    qn, _ = fla.l2norm_fwd(q, eps=_L2_EPS)
-    kn, _ = fla.l2norm_fwd(k, eps=_L2_EPS)
-    o, state, *_ = fla.chunk_kda_fwd(
-        q=qn, k=kn, v=v, g=g, beta=beta, scale=dk**-0.5, initial_state=None, output_final_state=True,
-        cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, chunk_indices=chunk_indices, chunk_size=_FLA_CHUNK,
-        safe_gate=safe_gate,
-    )
+    b, t, h, _ = q.shape
+    cu_cpu, (o, state, *_) = _fla_chunk_fwd(q, k, v, g, beta, seq_idx, safe_gate, output_final_state=True)
     if cu_cpu is not None:  # one state per document run: keep the run ending each row
         ends = cu_cpu[1:]
         last = torch.searchsorted(ends, torch.arange(1, b + 1) * t)
