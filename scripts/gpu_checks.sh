@@ -78,11 +78,13 @@ if [ -n "${HOST_SAMPLER:-}" ]; then
 fi
 trap 'pack_cache; [ -n "$sampler" ] && kill "$sampler"' EXIT
 # the GPU tests: at GPU_TEST_TIMEOUT pytest gets SIGINT, so it still prints the failures so far (-rfE: their
-# messages in the short summary); a plain kill returned only the progress dots (2026-12-07). -rP: what passing tests
-# print (the two sides of each tolerance comparison) comes back too, to calibrate the bars against
+# messages in the short summary); a plain kill returned only the progress dots (2026-12-07). A test inside FLA's
+# autotuning ignored the SIGINT and was killed 20 s later with no summary (2026-12-08), so each test's id and outcome
+# (-v) and what it prints (-s: the two sides of each tolerance comparison, to calibrate the bars against) are
+# written as they happen
 gpu_pytest() {
   local log=$1; shift
-  timeout -s INT -k 20 "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -rfEP -m gpu "$@" -p no:cacheprovider 2>&1 \
+  timeout -s INT -k 20 "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -v -s -rfE -m gpu "$@" -p no:cacheprovider 2>&1 \
       | tee "$log"
 }
 nvidia-smi -L | tee "$OUT/device.txt"
