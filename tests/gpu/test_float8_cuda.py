@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
 from torchtitan_glm.config import Float8Config
 from torchtitan_glm.float8 import configure_inductor_for_float8, convert_float8
@@ -47,7 +48,7 @@ def test_fp8_moe_block_compiles_under_inductor(recipe):
     gradient differed by 2.9% between the two while each was 6.4% from the FP32 block. So each is measured against
     the block in FP32 without FP8, and the compiled block must be as accurate as the eager one (BF16's error for
     scale: on torch 2.11's CPU its grouped GEMM alone is 5.2% off). Broken scales or a wrong cast would put the
-    compiled error at order one."""
+    compiled error at order one; whether FP8 runs at all in the compiled block is read from inductor's code."""
     args = get_flavor("glm5_3_flash_proxy").replace(num_hidden_layers=2, layer_types=["linear_attention"] * 2,
                                                     mlp_layer_types=["sparse", "sparse"], indexer_types=None,
                                                     num_nextn_predict_layers=0,
@@ -75,9 +76,14 @@ def test_fp8_moe_block_compiles_under_inductor(recipe):
         return out, layer.mlp.experts.gate_proj.grad
 
     want, want_g = run(exact, streams.float())
+    compiled, codes = run_and_get_code(run, torch.compile(block, fullgraph=True), streams)
+    # FP8 engaged in the compiled block, read from inductor's code rather than from its numbers: the forward and
+    # the backward each run torchao's FP8 grouped GEMM (routed experts) and a scaled mm (Float8Linear).
+    assert len(codes) == 2, len(codes)
+    for part, code in zip(("forward", "backward"), codes):
+        assert "_scaled_grouped_mm" in code and "_scaled_mm" in code, f"{recipe} {part}: no FP8 GEMM in the code"
     errors = {name: (_rel(out, want), _rel(grad, want_g)) for name, (out, grad) in
-              [("bf16", run(bf16, streams)), ("eager", run(eager, streams)),
-               ("compiled", run(torch.compile(block, fullgraph=True), streams))]}
+              [("bf16", run(bf16, streams)), ("eager", run(eager, streams)), ("compiled", compiled)]}
     print(recipe, {k: f"out {o:.2e}, expert grad {g:.2e}" for k, (o, g) in errors.items()})
     (_, grad_b), (out_e, grad_e), (out_c, grad_c) = errors["bf16"], errors["eager"], errors["compiled"]
     assert grad_e < 0.2 and grad_b < grad_e, errors  # within FP8's rounding, which costs more than BF16's
