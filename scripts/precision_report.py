@@ -71,16 +71,15 @@ def fp32_matmul_notes(model: torch.nn.Module, rows: list[dict[str, str]]) -> lis
 
 
 def report(argv: list[str]) -> tuple[list[dict[str, str]], float, str, list[str]]:
-    """(rows, FP8 FLOP share, the float8 start-up lines, notes on FP32 matmuls of non-FP32 weights) for a config
-    given as train.py arguments."""
+    """(rows, FP8 FLOP share, the float8 start-up line (as train.py prints it), notes on FP32 matmuls of non-FP32
+    weights) for a config given as train.py arguments."""
     # The data section is irrelevant here; its files need not exist on the machine that asks.
     cfg = load_config([*argv, "--data.source=builtin", "--data.paths=", "--data.tokenizer=byte"])
     with torch.device("meta"):
         model = Glm5Model(build_model_args(cfg))
     summary = convert_float8(model, cfg=cfg.float8)
     rows = param_precisions(model, param_dtype=cfg.training.mixed_precision_param)
-    lines = "\n".join(x for x in (summary.line(), summary.left_line()) if x)  # as train.py prints them
-    return rows, fp8_flop_share(model, rows, cfg.training.seq_len), lines, fp32_matmul_notes(model, rows)
+    return rows, fp8_flop_share(model, rows, cfg.training.seq_len), summary.line(), fp32_matmul_notes(model, rows)
 
 
 @main_guard

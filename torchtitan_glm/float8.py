@@ -88,21 +88,23 @@ class Float8Summary:
     experts_left_bf16: int = 0  # GroupedExperts modules left BF16 (a dim not divisible by 16)
 
     def line(self) -> str:
-        if self.recipe is None:
-            return "float8: off (no module converted)"
+        """The one start-up line (rank 0; `precision_report.py` prints it too); recipe=off when float8 is disabled,
+        and what an FP8 role left BF16 appended when anything was."""
         kept = ", ".join(f"{r}={n}" for r, n in self.kept_bf16.items())
-        return (f"float8: recipe={self.recipe}, converted {self.converted_linears} Linear, "
+        head = (f"float8: recipe={self.recipe or 'off'}, converted {self.converted_linears} Linear, "
                 f"{self.grouped_expert_weights} grouped-expert weights; kept BF16 by role: {kept}")
+        left = self._left()
+        return f"{head}; {left}" if left else head
 
     def nothing_converted(self) -> str:
         """A warning when FP8 is on but the model has nothing in FP8 (every dim of its FP8 roles not divisible by 16,
         or keep_bf16 naming them all): the run would train BF16 unawares. Empty otherwise."""
         if self.recipe is None or self.converted_linears or self.grouped_expert_weights:
             return ""
-        return ("float8.enable is true but no Linear and no routed expert was converted (see the float8 lines "
+        return ("float8.enable is true but no Linear and no routed expert was converted (see the float8 line "
                 "above): this run trains in BF16")
 
-    def left_line(self) -> str:
+    def _left(self) -> str:
         """What the split meant to run in FP8 but left BF16 (torchao's dims-divisible-by-16 rule, or a Linear read
         only through its weight); empty when nothing was."""
         parts = []
@@ -113,8 +115,8 @@ class Float8Summary:
             parts.append(f"{self.experts_left_bf16} routed-expert modules")
         if self.recipe is None or not parts:
             return ""
-        return ("float8: left BF16 although their role runs FP8 (a dim not divisible by 16, or read only through "
-                "its weight): " + "; ".join(parts))
+        return ("left BF16 although their role runs FP8 (a dim not divisible by 16, or read only through its "
+                "weight): " + ", ".join(parts))
 
 
 def summarize(model: nn.Module, *, recipe: str | None, keep_bf16: list[str] | tuple[str, ...],

@@ -284,8 +284,6 @@ class Trainer:
         self.float8 = convert_float8(model, cfg=cfg.float8)
         if self.rank == 0:
             print(self.float8.line(), flush=True)
-            if self.float8.left_line():
-                print(self.float8.left_line(), flush=True)
             for warning in (self.float8.nothing_converted(), cfg.float8.idle_keys()):
                 if warning:
                     logger.warning(warning)

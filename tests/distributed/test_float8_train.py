@@ -23,10 +23,14 @@ def test_fp8_debug_run_learns_and_tracks_bf16(tmp_path):
            "indexer=6, mla=10, kda=27" in res.stdout
     fp8 = _losses(res.stdout)
     assert sorted(fp8) == list(range(1, 21))
-    assert abs(fp8[1] - bf16[1]) / bf16[1] < 0.01, (fp8[1], bf16[1])  # same init and data: only FP8 rounding
+    # same init and data as the run without FP8 (debug_model.toml's FP32 parameters): only FP8 rounding differs
+    assert abs(fp8[1] - bf16[1]) / bf16[1] < 1e-3, (fp8[1], bf16[1])
     first, last = sum(fp8[i] for i in range(1, 4)) / 3, sum(fp8[i] for i in range(18, 21)) / 3
     assert last < first - 0.5, (first, last)
-    assert abs(fp8[20] - bf16[20]) / bf16[20] < 0.05, (fp8[20], bf16[20])
+    # The whole curve tracks it. CPU, 2026-12-08: mean relative gap 0.04% (at most 0.09%); with the routed experts'
+    # output zeroed (their FP8 path broken) 0.45%, which the first loss alone (0.002%) cannot see.
+    gap = sum(abs(fp8[i] - bf16[i]) / bf16[i] for i in range(1, 21)) / 20
+    assert gap < 1.5e-3, (gap, fp8, bf16)
 
 
 @pytest.mark.long

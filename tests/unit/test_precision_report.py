@@ -103,11 +103,17 @@ def test_startup_counts_match_converted_modules_and_zero_when_off():
     modules = dict(model.named_modules())
     left = Counter(r for fqn, r in linear_roles(model).items() if r != "kda" and not isinstance(modules[fqn], f8))
     assert left and summary.left_bf16 == dict(left)
-    assert summary.left_line() == ("float8: left BF16 although their role runs FP8 (a dim not divisible by 16, or "
-                                   f"read only through its weight): {sum(left.values())} Linear ("
-                                   + ", ".join(f"{r}={n}" for r, n in sorted(left.items())) + ")")
-    off = convert_float8(Glm5Model(get_flavor("debug")), cfg=load_config([]).float8)
-    assert (off.converted_linears, off.grouped_expert_weights) == (0, 0) and off.line().startswith("float8: off")
+    head = (f"float8: recipe=tensorwise, converted {summary.converted_linears} Linear, 12 grouped-expert weights; "
+            "kept BF16 by role: indexer=0, mla=0, kda=27")
+    assert summary.line() == (f"{head}; left BF16 although their role runs FP8 (a dim not divisible by 16, or read "
+                              f"only through its weight): {sum(left.values())} Linear ("
+                              + ", ".join(f"{r}={n}" for r, n in sorted(left.items())) + ")")
+    # float8 off: the same one-line format, nothing converted, every serving-role Linear BF16
+    plain = Glm5Model(get_flavor("debug"))
+    n = Counter(linear_roles(plain).values())
+    assert convert_float8(plain, cfg=load_config([]).float8).line() == (
+        "float8: recipe=off, converted 0 Linear, 0 grouped-expert weights; kept BF16 by role: "
+        f"indexer={n['indexer']}, mla={n['mla']}, kda={n['kda']}")
 
 
 def test_experts_left_bf16_by_the_shape_rule_are_reported():
@@ -115,18 +121,19 @@ def test_experts_left_bf16_by_the_shape_rule_are_reported():
     model = Glm5Model(get_flavor("debug").replace(moe_intermediate_size=24))
     summary = convert_float8(model, cfg=cfg.float8)
     assert summary.grouped_expert_weights == 0 and summary.experts_left_bf16 == 4  # 3 MoE layers + the MTP's
-    assert "4 routed-expert modules" in summary.left_line()
-    assert convert_float8(Glm5Model(get_flavor("debug")), cfg=load_config([]).float8).left_line() == ""
+    assert summary.line().endswith("left BF16 although their role runs FP8 (a dim not divisible by 16, or read only "
+                                   "through its weight): 12 Linear (shared_expert=12), 4 routed-expert modules")
+    assert "left BF16" not in convert_float8(Glm5Model(get_flavor("debug")), cfg=load_config([]).float8).line()
     assert summary.nothing_converted() == ""  # the Linears still converted
     # hidden 72: no FP8 role's Linear nor expert divisible by 16, so FP8 on trains BF16, and says so
     empty = convert_float8(Glm5Model(get_flavor("debug").replace(hidden_size=72)), cfg=cfg.float8)
     assert (empty.converted_linears, empty.grouped_expert_weights) == (0, 0)
     assert "no Linear and no routed expert was converted" in empty.nothing_converted()
     assert convert_float8(Glm5Model(get_flavor("debug")), cfg=load_config([]).float8).nothing_converted() == ""
-    # the report prints what train.py prints at start-up, the left-BF16 line included
-    _, _, lines, _ = report(["--config", str(ROOT / "train_configs/debug_model.toml"), "--float8.enable", "true",
+    # the report prints the line train.py prints at start-up, what was left BF16 included
+    _, _, line, _ = report(["--config", str(ROOT / "train_configs/debug_model.toml"), "--float8.enable", "true",
                           "--model.moe_intermediate_size", "24"])
-    assert lines.splitlines() == [summary.line(), summary.left_line()]
+    assert line == summary.line()
 
 
 def _script(*args: str) -> subprocess.CompletedProcess:
