@@ -19,7 +19,8 @@ experts BF16, and each row counts what was converted). `--profile` adds one prof
 prints its CUDA kernels by total time (on CPU its CPU ops; `--profile-rows N`, `--profile-match a,b` for the rows
 naming a or b and their summed self time, on CUDA the matching kernels'); `--memory-profile` (CUDA only) prints
 what is alive at each run's memory peak (or out-of-memory) by source line. `--recompute-modules kda,mhc` adds
-activation_checkpoint.recompute_modules to the selective runs (their AC column reads `selective+kda+mhc`); a run
+activation_checkpoint.recompute_modules to the selective runs, `auto` ones where they are selective (their AC column
+reads `selective+kda+mhc`); a run
 can name its own instead, `compiled:selective+kda`, so one call times several choices side by side. Prints one
 JSON line per run and a markdown table (its `MoE chunk` column is `--moe-chunk-tokens`); the proxy needs CUDA.
 
@@ -450,7 +451,7 @@ def main() -> None:
                         "auto}; a third field fp8 runs the FP8 serving split ([float8] defaults, --float8-recipe); "
                         "selective+kda+mhc names that run's recompute_modules")
     p.add_argument("--recompute-modules", default="",
-                   help="activation_checkpoint.recompute_modules for the selective runs that name none of their own, "
+                   help="activation_checkpoint.recompute_modules for the selective (and auto) runs that name none of their own, "
                         "comma-separated (kda, mhc, indexer, mla_up_proj, sparse_attn, moe, mlp; moe_act, as "
                         "train.py takes it)")
     p.add_argument("--moe-chunk-tokens", type=int, default=0,
@@ -531,8 +532,8 @@ def main() -> None:
         p.error(f"--flavor {a.flavor!r} is unknown; choose one of {sorted(FLAVORS)}")
     if a.out and (os.path.isdir(a.out) or not os.path.isdir(os.path.dirname(os.path.abspath(a.out)))):
         p.error(f"--out {a.out}: not a file in an existing folder (it is written after every run)")
-    if recompute and not any(ac == "selective" for _, ac, _, _ in runs):
-        p.error("--recompute-modules refines selective AC: no run in --runs is ':selective'")
+    if recompute and not any(ac in ("selective", "auto") for _, ac, _, _ in runs):
+        p.error("--recompute-modules refines selective AC: no run in --runs is ':selective' (or ':auto')")
     if a.kda_disable_recompute and a.docs > 1:
         p.error(f"--kda-disable-recompute needs rows without document ids (--docs 1, as data.document_masking = false "
                 f"in train.py), got --docs {a.docs}")

@@ -40,9 +40,11 @@ def _torchrun(args: list[str], *, nproc: int = 2, timeout: int = 300) -> subproc
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def run_worker_ok(script: str, *, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
-    """A worker script of this folder on `nproc` ranks: it must exit 0 and every rank print "rank <r> OK"."""
-    cmd, env = _command([], nproc=nproc, script=Path(__file__).with_name(script))
+def run_worker_ok(script: str, *, args: list[str] | None = None, nproc: int = 2,
+                  timeout: int = 300) -> subprocess.CompletedProcess:
+    """A worker script of this folder on `nproc` ranks (given `args`): it must exit 0 and every rank print
+    "rank <r> OK"."""
+    cmd, env = _command(args or [], nproc=nproc, script=Path(__file__).with_name(script))
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-6000:]
     assert all(f"rank {r} OK" in res.stdout for r in range(nproc)), res.stdout[-2000:]
