@@ -451,9 +451,9 @@ def main() -> None:
                         "auto}; a third field fp8 runs the FP8 serving split ([float8] defaults, --float8-recipe); "
                         "selective+kda+mhc names that run's recompute_modules")
     p.add_argument("--recompute-modules", default="",
-                   help="activation_checkpoint.recompute_modules for the selective (and auto) runs that name none of their own, "
-                        "comma-separated (kda, mhc, indexer, mla_up_proj, sparse_attn, moe, mlp; moe_act, as "
-                        "train.py takes it)")
+                   help="activation_checkpoint.recompute_modules for the selective (and auto) runs that name none "
+                        "of their own, comma-separated (kda, mhc, indexer, mla_up_proj, sparse_attn, moe, mlp; "
+                        "moe_act, as train.py takes it)")
     p.add_argument("--moe-chunk-tokens", type=int, default=0,
                    help="activation_checkpoint.moe_chunk_tokens: routed experts over checkpointed token chunks "
                         "(0 = off)")
