@@ -1,6 +1,7 @@
 """scripts/precision_report.py on the full GLM-5.3-Flash config: every parameter's (role, precision) equals the
 serving split as stated from the architecture (names are fine here: the test is the independent statement), with
-the counts of each kind; the JSON form has the documented schema; the start-up counts match the converted modules."""
+the counts of each kind, and the FP8 FLOP share the text form ends with; the JSON form has the documented schema; the
+start-up counts match the converted modules."""
 
 import json
 import re
@@ -12,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchtitan_glm.components.metrics import flops_per_token
 from torchtitan_glm.config import load_config
 from torchtitan_glm.float8 import convert_float8, float8_linear_class
 from torchtitan_glm.models.glm5 import Glm5Model, get_flavor
+from torchtitan_glm.train import build_model_args
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -72,7 +75,23 @@ def test_full_model_report_is_the_serving_split():
     assert counts[("mlp", "fp8-rowwise")] == 3 * 3 and counts[("mhc", "fp32")] == 45 * 2 * 3
     assert line == (f"float8: recipe=rowwise, converted {3 * 3 + 3 * moe + 1} Linear, {3 * moe} grouped-expert "
                     f"weights; kept BF16 by role: indexer={3 * dsa}, mla={5 * dsa}, kda={9 * kda}")
-    assert 0.3 < share < 0.9
+    # the FP8 FLOP share, from the architecture: 6 FLOPs per token per active FP8 weight element (3 dense MLPs; 43
+    # MoE layers, each its shared expert and 8 of 288 routed experts; the MTP's [2D -> D] projection) over the
+    # trainer's FLOPs per token at the config's T
+    cfg = load_config(["--config", str(ROOT / "train_configs/glm5_3_flash.toml"), "--data.source=builtin",
+                       "--data.paths=", "--data.tokenizer=byte"])
+    args = build_model_args(cfg)
+    d = args.hidden_size
+    active = 3 * 3 * d * args.intermediate_size + moe * (1 + 8) * 3 * d * args.moe_intermediate_size + 2 * d * d
+    assert share == pytest.approx(6 * active / flops_per_token(args, cfg.training.seq_len), rel=1e-12)
+
+
+def test_report_text_ends_with_the_fp8_flop_share():
+    res = _script("--config", "train_configs/glm5_3_flash.toml")
+    assert res.returncode == 0, res.stderr
+    _, share, line, _ = report(["--config", str(ROOT / "train_configs/glm5_3_flash.toml")])
+    lines = res.stdout.splitlines()
+    assert line in lines and lines[-1] == f"share of training FLOPs in FP8: {100 * share:.1f}%"
 
 
 def test_report_json_schema():
