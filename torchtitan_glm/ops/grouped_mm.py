@@ -92,6 +92,11 @@ _grouped_mm.register_autograd(_backward, setup_context=_setup_context)
 # torch._scaled_grouped_mm); elsewhere the same quantisation is emulated: quantise, dequantise, grouped GEMM in the
 # input dtype (as torchao's `emulate` does for Linear), so CPU CI trains the routed experts through the same
 # rounding. Group sizes must be multiples of FP8_GROUP_ALIGN (GroupedExperts pads them).
+# The FP8 path sits behind `grouped_mm`, not inside the `grouped_mm` custom op: torchao's FP8 grouped GEMM is an
+# autograd.Function over its own custom ops (the Triton casts) and torch._scaled_grouped_mm, which Dynamo traces
+# whole, so the MoE block still compiles with fullgraph=True (tests/gpu/test_float8_cuda.py reads the FP8 GEMMs
+# from inductor's code). An op of ours around it would have to re-implement its backward, which torchao keeps
+# private.
 
 FP8_GROUP_ALIGN = 16
 
