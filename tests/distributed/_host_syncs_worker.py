@@ -1,6 +1,7 @@
-"""torchrun worker of test_host_syncs_two_ranks (2 gloo ranks): the debug model's training loop with fused AdamW
-reads nothing from the device on either rank, the replicated parameters' bucketed gradient all-reduce included
-(one rank never launches it). usage: _host_syncs_worker.py DUMP_FOLDER"""
+"""torchrun worker of test_replicated_grads.py::test_two_rank_training_loop_reads_nothing_from_the_device (2 gloo
+ranks): the debug model's training loop with fused AdamW reads nothing from the device on either rank, the
+replicated parameters' bucketed gradient all-reduce included (one rank never launches it).
+usage: _host_syncs_worker.py DUMP_FOLDER"""
 
 import sys
 
