@@ -20,9 +20,9 @@ prints its CUDA kernels by total time (on CPU its CPU ops; `--profile-rows N`, `
 naming a or b and their summed self time, on CUDA the matching kernels'); `--memory-profile` (CUDA only) prints
 what is alive at each run's memory peak (or out-of-memory) by source line. `--recompute-modules kda,mhc` adds
 activation_checkpoint.recompute_modules to the selective runs, `auto` ones where they are selective (their AC column
-reads `selective+kda+mhc`); a run
-can name its own instead, `compiled:selective+kda`, so one call times several choices side by side. Prints one
-JSON line per run and a markdown table (its `MoE chunk` column is `--moe-chunk-tokens`); the proxy needs CUDA.
+reads `selective+kda+mhc`); a run can name its own instead, `compiled:selective+kda`, so one call times several
+choices side by side. Prints one JSON line per run and a markdown table (its `MoE chunk` column is
+`--moe-chunk-tokens`); the proxy needs CUDA.
 
 `--against transformers` first times transformers' own `Glm5NextTextModel` built from the same config (plus a
 bias-free LM head and full-logit FP32 CE: the reference of docs/performance.md), eager, in `--dtype`, gradients

@@ -151,7 +151,7 @@ def test_experts_left_bf16_by_the_shape_rule_are_reported():
     assert convert_float8(Glm5Model(get_flavor("debug")), cfg=load_config([]).float8).nothing_converted() == ""
     # the report prints the line train.py prints at start-up, what was left BF16 included
     _, _, line, _ = report(["--config", str(ROOT / "train_configs/debug_model.toml"), "--float8.enable", "true",
-                          "--model.moe_intermediate_size", "24"])
+                            "--model.moe_intermediate_size", "24"])
     assert line == summary.line()
 
 
